@@ -1,0 +1,62 @@
+"""ampwatch: a flight recorder, dashboard and doctor for PyTorch mixed-precision training.
+
+>>> watch = ampwatch.attach(model, optimizer, scaler, path="runs/exp1.sqlite")
+>>> ...  # the training loop, unchanged
+>>> watch.close()
+>>> run = ampwatch.load("runs/exp1.sqlite")
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from typing import Any, Optional
+
+from .errors import RunError
+
+
+def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str] = None,
+           name: Optional[str] = None, config: Optional[dict] = None, **options: Any) -> "Watch":
+    """Start recording a training run into one SQLite file; returns a :class:`Watch`.
+
+    :param model: the ``nn.Module`` being trained (hooked for NaN/Inf localization).
+    :param optimizer: its optimizer (wrapped optimizers such as Accelerate's are unwrapped).
+    :param scaler: the ``GradScaler``, or None for bf16/fp32 (then ``watch.log(loss=loss)``).
+    :param path: run file; default ``runs/<name or timestamp>.sqlite``. ``{rank}`` is filled in.
+    :param name: run name (default: the file's stem).
+    :param config: a JSON-able dict stored with the run (hyper-parameters).
+    :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict`` (see README).
+
+    Cost: a few device ops and one device-to-host transfer per optimizer step (non-blocking on
+    CUDA); disk writes happen on a background thread.
+    """
+    from .recorder import Watch
+    return Watch(model, optimizer, scaler, path=path, name=name, config=config, **options)
+
+
+def load(path: Any) -> "Run":
+    """Open a run file read-only; raises :class:`RunError` with one clear line if it cannot."""
+    from .reader import Run
+    return Run(path)
+
+
+def diagnose(run: Any) -> list:
+    """Findings (id, severity, title, steps, evidence, advice) for a :class:`Run` or a path."""
+    from .doctor import diagnose as _diagnose
+    return _diagnose(run if not isinstance(run, (str, bytes)) and hasattr(run, "steps") else load(run))
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import ampwatch` stays light (no pandas) for the training box.
+    if name == "Watch":
+        from .recorder import Watch
+        return Watch
+    if name == "Run":
+        from .reader import Run
+        return Run
+    if name == "Finding":
+        from .doctor import Finding
+        return Finding
+    raise AttributeError(f"module 'ampwatch' has no attribute {name!r}")
+
+
+__all__ = ["attach", "load", "diagnose", "Watch", "Run", "RunError", "Finding", "__version__"]

@@ -1,0 +1,154 @@
+"""One optimizer step as the training thread hands it over, and its conversion to table rows.
+
+The training thread concatenates every device value of a step into one flat tensor (one transfer,
+made non-blocking on CUDA); the writer thread waits for it and turns it into rows here, so no
+per-value ``.item()`` ever runs on the training thread.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from . import localize
+from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
+
+
+@dataclass
+class StepPack:
+    step: int
+    time: float
+    duration_s: float
+    lr: Optional[float]
+    micro_batches: int
+    skipped: Optional[bool]            # known on the host (GradScaler skipped optimizer.step()), else None
+    flat: Optional[torch.Tensor]       # every device value of the step, on the CPU (maybe still in flight)
+    ready: Any = None                  # CUDA event to wait on before reading ``flat``
+    layout: dict[str, tuple[int, int]] = field(default_factory=dict)  # segment -> (offset, length)
+    host_metrics: dict[str, float] = field(default_factory=dict)
+    norm_ids: list[int] = field(default_factory=list)     # parameter ids of the 'norms' segment
+    detail_ids: list[int] = field(default_factory=list)   # parameter ids of the 'detail' segment
+    param_numel: dict[int, int] = field(default_factory=dict)
+    loc: Optional[localize.StepRecords] = None
+
+
+@dataclass
+class Rows:
+    steps: list[tuple] = field(default_factory=list)
+    layers: list[tuple] = field(default_factory=list)
+    modules: list[tuple] = field(default_factory=list)
+    events: list[tuple] = field(default_factory=list)
+    metrics: list[tuple] = field(default_factory=list)
+
+    def extend(self, other: "Rows") -> None:
+        for name in ("steps", "layers", "modules", "events", "metrics"):
+            getattr(self, name).extend(getattr(other, name))
+
+    def count(self) -> int:
+        return sum(len(getattr(self, n)) for n in ("steps", "layers", "modules", "events", "metrics"))
+
+
+def _nullable(x: Optional[float]) -> Optional[float]:
+    return None if x is None or math.isnan(x) else x
+
+
+def _kind(nan: float, inf: float, value: float = 0.0) -> str:
+    if nan and inf:
+        return "nan+inf"
+    if nan or (not inf and math.isnan(value)):
+        return "nan"
+    return "inf"
+
+
+class PackReader:
+    """Turns packs into rows. Holds the run's name tables (parameter and module ids)."""
+
+    def __init__(self, param_names: list[str], param_dtypes: list[str],
+                 module_ids: list[int], module_names: list[str], layer_every: int) -> None:
+        self.param_names = param_names
+        self.param_dtypes = param_dtypes
+        self.module_ids = module_ids
+        self.module_names = module_names
+        self.layer_every = layer_every
+
+    def rows(self, pack: StepPack) -> Rows:
+        if pack.ready is not None:
+            pack.ready.synchronize()  # waits in the writer thread, never in training
+        values: list[float] = pack.flat.tolist() if pack.flat is not None else []
+
+        def seg(name: str) -> list[float]:
+            off, n = pack.layout.get(name, (0, 0))
+            return values[off:off + n]
+
+        out = Rows()
+        loss = (seg("loss") or [None])[0]
+        scale = (seg("scale") or [None])[0]
+        found_inf = (seg("found_inf") or [None])[0]
+        skipped = pack.skipped if pack.skipped is not None else bool(found_inf)
+        norms = seg("norms")
+        grad_norm = math.sqrt(sum(n * n for n in norms)) if norms else None
+        nan_mask = 0
+        if loss is not None and math.isnan(loss):
+            nan_mask |= STEP_NAN_BITS["loss"]
+        if grad_norm is not None and math.isnan(grad_norm):
+            nan_mask |= STEP_NAN_BITS["grad_norm"]
+        out.steps.append((pack.step, pack.time, pack.duration_s, _nullable(loss), scale, int(skipped),
+                          _nullable(grad_norm), pack.lr, pack.micro_batches, nan_mask))
+
+        for key, v in pack.host_metrics.items():
+            out.metrics.append((key, pack.step, _nullable(v)))
+        for key, (off, n) in pack.layout.items():
+            if key.startswith("metric:") and n:
+                out.metrics.append((key[7:], pack.step, _nullable(values[off])))
+
+        bad_params = [i for i, n in zip(pack.norm_ids, norms) if not math.isfinite(n)]
+        detail = self._details(pack, seg("detail"))
+        if (pack.step % self.layer_every == 0 or skipped or bad_params) and norms:
+            out.layers.extend(self._layer_rows(pack, norms, detail))
+        for pid in bad_params:
+            amax, nan, inf = detail.get(pid, (None, None, None, None, None))[:3]
+            n = norms[pack.norm_ids.index(pid)]
+            count = int(nan + inf) if nan is not None else None
+            out.events.append((pack.step, "param_grad", self.param_names[pid],
+                               _kind(nan or 0, inf or 0, n), count, _nullable(amax),
+                               self.param_dtypes[pid], 0))
+        if loss is not None and not math.isfinite(loss):
+            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0))
+        if pack.loc is not None:
+            self._localization_rows(pack, seg("loc"), out)
+        return out
+
+    def _details(self, pack: StepPack, flat: list[float]) -> dict[int, tuple]:
+        return {pid: tuple(flat[5 * i:5 * i + 5]) for i, pid in enumerate(pack.detail_ids)}
+
+    def _layer_rows(self, pack: StepPack, norms: list[float], detail: dict[int, tuple]) -> list[tuple]:
+        rows = []
+        for pid, n in zip(pack.norm_ids, norms):
+            amax = nan = inf = zero = pnorm = None
+            if pid in detail:
+                amax, nan, inf, zero, pnorm = detail[pid]
+            mask = 0
+            for col, v in (("grad_norm", n), ("grad_amax", amax), ("param_norm", pnorm)):
+                if v is not None and math.isnan(v):
+                    mask |= LAYER_NAN_BITS[col]
+            numel = pack.param_numel.get(pid) or 1
+            rows.append((pid, pack.step, _nullable(n), _nullable(amax), _nullable(pnorm),
+                         None if nan is None else int(nan + inf),
+                         None if zero is None else zero / numel, mask))
+        return rows
+
+    def _localization_rows(self, pack: StepPack, device_values: list[float], out: Rows) -> None:
+        records = pack.loc
+        values = localize.resolve_values(records, device_values)
+        stats, origins = localize.analyse(records, values, self.module_names)
+        has_events = any(s.nonfinite for s in stats.values())
+        for (module, phase), s in stats.items():
+            if s.nonfinite:
+                out.events.append((pack.step, phase, self.module_names[module], _kind(s.nan, s.inf),
+                                   int(s.nan + s.inf), _nullable(s.amax), s.dtype,
+                                   int(origins[phase] == module)))
+            if has_events or pack.step % self.layer_every == 0:
+                out.modules.append((self.module_ids[module], 0 if phase == localize.FORWARD else 1,
+                                    pack.step, _nullable(s.amax), int(s.nonfinite)))

@@ -1,0 +1,207 @@
+"""Reading run files: always read-only, never migrating, with one clear line when a file is bad."""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import urllib.parse
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pandas as pd
+
+from .errors import RunError
+from .schema import LAYER_NAN_BITS, SCHEMA_VERSION, STEP_NAN_BITS
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+RUN_SUFFIXES = (".sqlite", ".db", ".sqlite3")
+# A writer stamps a heartbeat every flush (1 s by default); this much silence means it is gone.
+STALE_AFTER_S = 30.0
+
+
+def check_run_file(path: Any) -> Path:
+    """The path as a Path if it names a readable file that looks like SQLite, else RunError."""
+    p = Path(os.fspath(path))
+    if not p.exists():
+        raise RunError(f"no run file at {str(p)!r}: check the path (runs are .sqlite files)")
+    if p.is_dir():
+        raise RunError(f"{str(p)!r} is a folder, not a run file: pass one .sqlite file, or use `ampwatch ls {p}`")
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(16)
+    except OSError as exc:
+        raise RunError(f"cannot read {str(p)!r}: {exc.strerror}") from None
+    if head != _SQLITE_MAGIC:
+        what = "an empty file" if not head else "not a SQLite file"
+        raise RunError(f"{str(p)!r} is not an ampwatch run ({what}): pass a file written by ampwatch.attach")
+    return p
+
+
+@contextmanager
+def connect(path: Any) -> Iterator[sqlite3.Connection]:
+    """A read-only connection to a checked run file (``mode=ro``: this process cannot write it)."""
+    p = check_run_file(path)
+    uri = f"file:{urllib.parse.quote(str(p.absolute()))}?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+    except sqlite3.Error as exc:
+        raise RunError(f"cannot open {str(p)!r} read-only: {exc}") from None
+    try:
+        yield conn
+    except sqlite3.DatabaseError as exc:
+        raise RunError(f"{str(p)!r} is corrupt or truncated ({exc}): the run cannot be read") from None
+    finally:
+        conn.close()
+
+
+def _check_schema(conn: sqlite3.Connection, p: Path) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not {"run", "steps", "tensors"} <= tables:
+        raise RunError(f"{str(p)!r} is a SQLite file of another tool, not an ampwatch run")
+    if version > SCHEMA_VERSION:
+        raise RunError(f"{str(p)!r} was written by a newer ampwatch (schema {version}, this one reads "
+                       f"up to {SCHEMA_VERSION}): upgrade ampwatch (pip install -U ampwatch)")
+
+
+def _pid_alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def effective_status(row: dict[str, Any], now: Optional[float] = None) -> str:
+    """'running' only while the writer is alive: a silent heartbeat or a dead pid is 'interrupted'."""
+    status = row.get("status") or "running"
+    if status != "running":
+        return status
+    import socket
+    if row.get("hostname") == socket.gethostname() and not _pid_alive(row.get("pid")):
+        return "interrupted"
+    beat = row.get("heartbeat_at") or row.get("started_at") or 0
+    if (now or time.time()) - beat > STALE_AFTER_S:
+        return "interrupted"
+    return "running"
+
+
+
+
+class Run:
+    """A recorded run, opened read-only. Tables are read on first access and cached.
+
+    ``info`` (dict), ``steps``, ``layers``, ``modules``, ``events``, ``metrics``, ``notices``
+    (pandas DataFrames). Raises :class:`RunError` for anything that is not a readable run.
+    """
+
+    def __init__(self, path: Any) -> None:
+        self.path = check_run_file(path)
+        with connect(self.path) as conn:
+            _check_schema(conn, self.path)
+            conn.row_factory = sqlite3.Row
+            row = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
+        if row is None:
+            raise RunError(f"{str(self.path)!r} has no run row: it is not a complete ampwatch run")
+        self._row = dict(row)
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    @property
+    def name(self) -> str:
+        return self._row["name"]
+
+    @property
+    def info(self) -> dict[str, Any]:
+        row = self._row
+        info = {k: v for k, v in row.items() if k not in ("id", "config_json")}
+        info["status"] = effective_status(row)
+        info["scaler_enabled"] = bool(row.get("scaler_enabled"))
+        info["localize"] = bool(row.get("localize"))
+        try:
+            info["config"] = json.loads(row.get("config_json") or "{}")
+        except ValueError:
+            info["config"] = {}
+        return info
+
+    def query(self, sql: str, params: tuple = ()) -> pd.DataFrame:
+        """Run a parameterised read-only query against the run file."""
+        with connect(self.path) as conn:
+            return pd.read_sql_query(sql, conn, params=params)
+
+    def _table(self, key: str, sql: str) -> pd.DataFrame:
+        if key not in self._cache:
+            self._cache[key] = self.query(sql)
+        return self._cache[key].copy()
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        df = self._table("steps", "SELECT step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr,"
+                                  " micro_batches, nan_mask FROM steps ORDER BY step")
+        for col, bit in STEP_NAN_BITS.items():
+            df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
+        df["loss_scale"] = df["loss_scale"].astype(float)
+        df["skipped"] = df["skipped"].astype(bool)
+        return df.drop(columns=["nan_mask"])
+
+    @property
+    def layers(self) -> pd.DataFrame:
+        df = self._table("layers", "SELECT l.step, t.name, l.grad_norm, l.grad_amax, l.param_norm,"
+                                   " l.grad_nonfinite, l.grad_zero_frac, l.nan_mask FROM layers l"
+                                   " JOIN tensors t ON t.id = l.param_id ORDER BY l.step, l.param_id")
+        for col, bit in LAYER_NAN_BITS.items():
+            df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
+        df["grad_zero_frac"] = df["grad_zero_frac"].astype(float)
+        return df.drop(columns=["nan_mask"])
+
+    @property
+    def modules(self) -> pd.DataFrame:
+        df = self._table("modules", "SELECT m.step, t.name AS module, CASE m.phase WHEN 0 THEN 'forward'"
+                                    " ELSE 'backward' END AS phase, m.amax, m.nonfinite FROM modules m"
+                                    " JOIN tensors t ON t.id = m.module_id ORDER BY m.step, m.module_id, m.phase")
+        df["amax"] = df["amax"].astype(float)
+        df["nonfinite"] = df["nonfinite"].astype(bool)
+        return df
+
+    @property
+    def events(self) -> pd.DataFrame:
+        df = self._table("events", "SELECT step, phase, module, kind, count, amax, dtype, origin FROM events"
+                                   " ORDER BY step, origin DESC, id")
+        df["origin"] = df["origin"].astype(bool)
+        df["amax"] = df["amax"].astype(float)
+        return df
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        df = self._table("metrics", "SELECT step, key, value FROM metrics ORDER BY step, key")
+        df["value"] = df["value"].astype(float)
+        return df
+
+    @property
+    def notices(self) -> pd.DataFrame:
+        return self._table("notices", "SELECT step, code, message FROM notices ORDER BY step")
+
+    @property
+    def tensors(self) -> pd.DataFrame:
+        return self._table("tensors", "SELECT id, kind, name, type, shape, numel, trainable FROM tensors")
+
+    def __repr__(self) -> str:
+        return f"<ampwatch.Run {self.name!r} {str(self.path)!r}>"
+
+
+def find_runs(folder: Any) -> list[Path]:
+    """Run files directly inside ``folder`` (sorted), or RunError if it is not a folder of runs."""
+    p = Path(os.fspath(folder))
+    if not p.exists():
+        raise RunError(f"no folder at {str(p)!r}: check the path")
+    if not p.is_dir():
+        raise RunError(f"{str(p)!r} is not a folder: pass a folder of runs")
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in RUN_SUFFIXES)
+    if not files:
+        raise RunError(f"no runs in {str(p)!r}: expected .sqlite files written by ampwatch")
+    return files

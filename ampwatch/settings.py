@@ -1,0 +1,68 @@
+"""The one table of recorder options: name, default, check and help.
+
+``attach`` validates against it, ``docs`` and the CLI read it, so the three never disagree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import OptionError
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any
+    check: Callable[[Any], bool]
+    expected: str
+    help: str
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # 10 keeps a 100k-step, 200-tensor run under the 150 MB budget with room to spare and
+    # costs < 1% per step on the reference transformer (bench/overhead.py, README).
+    Setting("layer_every", 10, _positive_int, "an int >= 1",
+            "per-layer/per-module detail every N steps (always on skipped or non-finite steps)"),
+    Setting("localize", True, _is_bool, "True or False",
+            "hook modules to find where NaN/Inf is born (forward and backward) and track fp16 headroom"),
+    Setting("flush_every_s", 1.0, _positive_number, "a number of seconds > 0",
+            "commit buffered rows at least this often"),
+    Setting("strict", False, _is_bool, "True or False",
+            "raise recorder errors instead of warning once and stopping recording"),
+    Setting("rank", None, lambda v: v is None or (isinstance(v, int) and v >= 0), "None or an int >= 0",
+            "process rank (default: torch.distributed rank when initialised, else 0)"),
+    Setting("framework", None, lambda v: v is None or isinstance(v, str), "None or a str",
+            "set by integrations: which framework recorded the run"),
+)
+
+DEFAULTS = {s.name: s.default for s in SETTINGS}
+
+
+def resolve(options: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``options`` over the defaults, raising :class:`OptionError` on an unknown or bad value."""
+    by_name = {s.name: s for s in SETTINGS}
+    unknown = sorted(set(options) - set(by_name))
+    if unknown:
+        raise OptionError(
+            f"unknown ampwatch option {unknown[0]!r}; valid options: {', '.join(sorted(by_name))}"
+        )
+    merged = dict(DEFAULTS)
+    for name, value in options.items():
+        setting = by_name[name]
+        if not setting.check(value):
+            raise OptionError(f"ampwatch option {name}={value!r} is invalid: expected {setting.expected}")
+        merged[name] = value
+    return merged
