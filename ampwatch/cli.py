@@ -1,0 +1,184 @@
+"""The `ampwatch` command line. Thin: parse, call the library, print. Bad input: one line, exit 2."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from .errors import RunError
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _load(path: str):
+    from .reader import Run
+    return Run(path)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RunError as exc:  # the one-line contract for bad input
+            click.echo(f"ampwatch: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="ampwatch")
+def cli() -> None:
+    """ampwatch: look inside mixed-precision training runs.
+
+    \b
+    Example:
+        ampwatch summary runs/exp1.sqlite
+    """
+
+
+@cli.command()
+@click.argument("path")
+def summary(path: str) -> None:
+    """Headline figures of one run: steps, skips, loss, scale, grad norms.
+
+    \b
+    Example:
+        ampwatch summary sample_runs/overflow_storm.sqlite
+    """
+    from .summary import summarize
+    s = summarize(_load(path))
+    click.echo(f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})")
+    click.echo(f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)")
+    click.echo(f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}")
+    click.echo(f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}")
+    click.echo(f"nonfinite first at step {_fmt(s['first_nonfinite_step'])}")
+    click.echo(f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
+               f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}")
+
+
+@cli.command(name="ls")
+@click.argument("folder", default="runs")
+def ls_(folder: str) -> None:
+    """One line per run in FOLDER (default: runs): name, status, steps, skipped %, last loss.
+
+    \b
+    Example:
+        ampwatch ls sample_runs
+    """
+    from .reader import find_runs
+    from .summary import summarize
+    click.echo(f"{'name':<28} {'status':<12} {'steps':>8} {'skipped%':>9} {'last loss':>10}")
+    for path in find_runs(folder):
+        try:
+            s = summarize(_load(str(path)))
+        except RunError as exc:
+            click.echo(f"{path.name:<28} unreadable: {exc}")
+            continue
+        click.echo(f"{s['name']:<28} {s['status']:<12} {s['steps']:>8} {s['skipped_pct']:>9.1f} "
+                   f"{_fmt(s['loss_last']):>10}")
+
+
+@cli.command()
+@click.argument("path")
+@click.option("--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True)
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder to write into")
+def export(path: str, fmt: str, out: str) -> None:
+    """Write a run's steps, layers, modules, events and metrics as CSV or Parquet files.
+
+    \b
+    Example:
+        ampwatch export runs/exp1.sqlite --format csv --out exported/
+    """
+    run = _load(path)
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise click.ClickException("parquet export needs pyarrow: pip install 'ampwatch[parquet]'")
+    for table in ("steps", "layers", "modules", "events", "metrics"):
+        df = getattr(run, table)
+        file = target / f"{run.name}_{table}.{fmt}"
+        if fmt == "csv":
+            df.to_csv(file, index=False)
+        else:
+            df.to_parquet(file, index=False)
+        click.echo(f"wrote {file} ({len(df)} rows)")
+
+
+@cli.command()
+@click.option("--out", default="sample_runs", show_default=True, type=click.Path(file_okay=False))
+@click.option("--only", multiple=True, help="regenerate only these samples")
+def demo(out: str, only: tuple) -> None:
+    """Regenerate the sample runs: real CPU training recorded by ampwatch (about a minute).
+
+    \b
+    Example:
+        ampwatch demo --out sample_runs
+    """
+    from .demo import SAMPLES, make_samples, total_steps
+    names = list(only) or None
+    unknown = [n for n in only if n not in SAMPLES]
+    if unknown:
+        raise click.BadParameter(f"unknown sample {unknown[0]!r}; choose from {', '.join(SAMPLES)}")
+    with click.progressbar(length=total_steps(names), label="training sample runs") as bar:
+        written = make_samples(Path(out), names, progress=bar.update)
+    for path in written:
+        click.echo(f"wrote {path}")
+
+
+@cli.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def doctor(path: str, as_json: bool) -> None:
+    """Diagnose a run (or every run in a folder): findings with evidence and advice.
+
+    Exit status: 0 no error-severity finding, 1 at least one, 2 unreadable input.
+
+    \b
+    Example:
+        ampwatch doctor sample_runs/diverged.sqlite
+    """
+    from .doctor import diagnose, format_report
+    from .reader import find_runs
+    paths = find_runs(path) if Path(path).is_dir() else [Path(path)]
+    reports, worst = [], 0
+    for p in paths:
+        try:
+            run = _load(str(p))
+        except RunError:
+            if len(paths) == 1:
+                raise
+            click.echo(f"ampwatch: skipping unreadable {p}", err=True)
+            continue
+        findings = diagnose(run)
+        if any(f.severity == "error" for f in findings):
+            worst = 1
+        reports.append((run, findings))
+    if as_json:
+        payload = [{"run": r.name, "path": str(r.path), "findings": [f.to_dict() for f in fs]}
+                   for r, fs in reports]
+        click.echo(json.dumps(payload[0] if len(payload) == 1 and not Path(path).is_dir() else payload, indent=2))
+    else:
+        click.echo("\n\n".join(format_report(r, fs) for r, fs in reports))
+    sys.exit(worst)
+
+
+def main(argv: Optional[list] = None) -> None:
+    cli.main(args=argv, prog_name="ampwatch")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""`ampwatch demo`: deterministic CPU recordings of real training, written to ``sample_runs/``.
+
+Each run trains a small GPT-like model (built from code, random weights, synthetic data: nothing is
+downloaded) through ampwatch itself. Fixed seeds, one torch thread: the same files every time on the
+same torch build.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = nn.ModuleDict({"qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d)})
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential()
+        self.mlp.add_module("fc", nn.Linear(d, 4 * d))
+        self.mlp.add_module("act", nn.GELU())
+        self.mlp.add_module("proj", nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.attn["qkv"](self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn["proj"](y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-shaped decoder: token + position embeddings, pre-LN blocks, tied LM head."""
+
+    def __init__(self, vocab: int = 64, d: int = 64, layers: int = 2, heads: int = 4, seq: int = 32) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: counted once in param_count
+        for module in self.modules():  # nanoGPT's init: small weights, a loss that starts near ln(vocab)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def batches(vocab: int, seq: int, batch: int, seed: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences that count up by a random stride mod vocab: learnable, so healthy runs converge."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        start = torch.randint(0, vocab, (batch, 1), generator=g)
+        stride = torch.randint(1, 4, (batch, 1), generator=g)
+        tokens = (start + stride * torch.arange(seq + 1)) % vocab
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def train(path: Path, steps: int, *, dtype: torch.dtype = torch.float16, use_scaler: bool = True,
+          init_scale: float = 2.0 ** 16, growth_interval: int = 2000, lr: float = 3e-3,
+          lr_at: Optional[Callable[[int], float]] = None, fault: Optional[Callable[[nn.Module, int], None]] = None,
+          seed: int = 0, progress: Optional[Callable[[int], None]] = None, **options) -> Path:
+    """Train TinyGPT for ``steps`` optimizer steps under ampwatch; returns the run file."""
+    import ampwatch
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler else None
+    data = batches(64, 32, 8, seed)
+    config = {"model": "TinyGPT(d=64, layers=2)", "lr": lr, "init_scale": init_scale if use_scaler else None,
+              "amp_dtype": str(dtype).replace("torch.", ""), "steps": steps, "max_grad_norm": 1.0}
+    with ampwatch.attach(model, opt, scaler, path=str(path), name=path.stem, config=config, **options) as watch:
+        for step in range(steps):
+            if lr_at is not None:
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(step)
+            if fault is not None:
+                fault(model, step)
+            x, y = next(data)
+            with torch.autocast("cpu", dtype=dtype):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                watch.log(loss=loss)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            if progress is not None:
+                progress(1)
+    return watch.path
+
+
+def _storm_lr(step: int) -> float:
+    # warm, then a 10x learning-rate spike for 40 steps, then back: the scale keeps colliding with
+    # gradient overflow (growth_interval=10) and the spike makes it worse before the run recovers.
+    return 3e-3 * 10 if 120 <= step < 160 else 3e-3
+
+
+def _corrupt_once(step_at: int, module: str, factor: float) -> Callable[[nn.Module, int], None]:
+    """Simulates a corrupted update: multiply one layer's weights once (the run's post-mortem shows it)."""
+    def fault(model: nn.Module, step: int) -> None:
+        if step == step_at:
+            with torch.no_grad():
+                model.get_submodule(module).weight.mul_(factor)
+    return fault
+
+
+SAMPLES: dict[str, dict] = {
+    "healthy_fp16": dict(steps=300, init_scale=2.0 ** 20),
+    "overflow_storm": dict(steps=300, init_scale=2.0 ** 24, growth_interval=10, lr_at=_storm_lr),
+    "diverged": dict(steps=250, init_scale=2.0 ** 16, fault=_corrupt_once(180, "h.1.mlp.fc", 1e5)),
+    "bf16_noscaler": dict(steps=300, dtype=torch.bfloat16, use_scaler=False),
+}
+
+
+def make_samples(out: Path, names: Optional[list[str]] = None,
+                 progress: Optional[Callable[[int], None]] = None) -> list[Path]:
+    """(Re)write the sample runs into ``out``; existing files of the same name are replaced."""
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    written = []
+    for name in names or list(SAMPLES):
+        target = out / f"{name}.sqlite"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{target}{suffix}").unlink(missing_ok=True)
+        written.append(train(target, progress=progress, **SAMPLES[name]))
+    return written
+
+
+def total_steps(names: Optional[list[str]] = None) -> int:
+    return sum(SAMPLES[n]["steps"] for n in names or list(SAMPLES))
+
+
+__all__ = ["TinyGPT", "batches", "train", "make_samples", "SAMPLES", "total_steps"]

@@ -1,0 +1,55 @@
+"""Headline figures of a run, as plain data: shared by the CLI, the dashboard and the doctor."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+
+
+def _finite(values: pd.Series) -> pd.Series:
+    return values[np.isfinite(values.astype(float))]
+
+
+def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame] = None) -> Optional[int]:
+    """First step whose loss or grad norm is NaN/inf, or that has a non-finite event.
+
+    A column that is empty for the whole run (no loss logged) is not evidence of NaN.
+    """
+    candidates = []
+    for col in ("loss", "grad_norm"):
+        values = steps[col].astype(float) if len(steps) else pd.Series(dtype=float)
+        if values.notna().any():
+            bad = steps["step"][~np.isfinite(values)]
+            if len(bad):
+                candidates.append(int(bad.min()))
+    if events is not None and len(events):
+        candidates.append(int(events["step"].min()))
+    return min(candidates) if candidates else None
+
+
+def summarize(run: Any) -> dict[str, Any]:
+    """Steps, skips, loss/scale/grad-norm figures and status of a :class:`ampwatch.Run`."""
+    info, steps = run.info, run.steps
+    n = len(steps)
+    skipped = int(steps["skipped"].sum()) if n else 0
+    loss = steps["loss"] if n else pd.Series(dtype=float)
+    finite_loss = _finite(loss)
+    scale = steps["loss_scale"].dropna() if n else pd.Series(dtype=float)
+    norms = _finite(steps["grad_norm"].dropna()) if n else pd.Series(dtype=float)
+    return {
+        "name": info["name"], "status": info["status"], "steps": n,
+        "skipped": skipped, "skipped_pct": 100.0 * skipped / n if n else 0.0,
+        "loss_first": float(loss.iloc[0]) if n else None,
+        "loss_last": float(loss.iloc[-1]) if n else None,
+        "loss_min": float(finite_loss.min()) if len(finite_loss) else None,
+        "scale_start": float(scale.iloc[0]) if len(scale) else None,
+        "scale_min": float(scale.min()) if len(scale) else None,
+        "scale_final": float(scale.iloc[-1]) if len(scale) else None,
+        "first_nonfinite_step": first_nonfinite_step(steps, run.events),
+        "grad_norm_p50": float(norms.quantile(0.5)) if len(norms) else None,
+        "grad_norm_p90": float(norms.quantile(0.9)) if len(norms) else None,
+        "grad_norm_p99": float(norms.quantile(0.99)) if len(norms) else None,
+        "grad_norm_max": float(norms.max()) if len(norms) else None,
+        "amp_dtype": info.get("amp_dtype"), "device": info.get("device"),
+    }
