@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny real models and a real AMP loop on the CPU (no mocks anywhere)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # two threads on two shared cores swing 5-12x (research/overhead-anchors.md)
+
+
+@pytest.fixture(autouse=True)
+def no_watch_left_open():
+    """Fail a test that leaves a recording open (its writer thread would leak into other tests)."""
+    yield
+    from ampwatch.recorder import _open_watches
+    gc.collect()
+    left = [w for w in list(_open_watches) if not w.closed]
+    for w in left:
+        w.close()
+    assert not left, f"test left {len(left)} watch(es) open"

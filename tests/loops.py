@@ -1,0 +1,70 @@
+"""Tiny models and training loops used across tests: real torch, real GradScaler, on the CPU."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def mlp(seed: int = 0, width: int = 32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
+
+
+def data(seed: int = 0, n: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+
+
+def amp_step(model, opt, scaler, x, y, *, accum: int = 1, clip: Optional[float] = None,
+             dtype=torch.float16, set_to_none: bool = True, watch=None) -> None:
+    """One optimizer step of the canonical loop (issue 2), with k micro-batches."""
+    for xb, yb in zip(x.chunk(accum), y.chunk(accum)):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(xb)
+        loss = F.mse_loss(out.float(), yb) / accum
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+            if watch is not None:
+                watch.log(loss=loss)
+    if scaler is not None:
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+    else:
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+
+
+def snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def changed(before: list[torch.Tensor], model: nn.Module) -> bool:
+    return any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+def train(steps: int, *, scaler_factory: Optional[Callable] = None, attach: Optional[Callable] = None,
+          seed: int = 0, lr: float = 1e-2, **step_kwargs):
+    """Train the MLP; returns (model, watch, list of ground-truth 'was the update applied')."""
+    model = mlp(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scaler = scaler_factory() if scaler_factory else None
+    watch = attach(model, opt, scaler) if attach else None
+    applied = []
+    for i in range(steps):
+        x, y = data(seed + i)
+        before = snapshot(model)
+        amp_step(model, opt, scaler, x, y, watch=watch, **step_kwargs)
+        applied.append(changed(before, model))
+    if watch is not None:
+        watch.close()
+    return model, watch, applied

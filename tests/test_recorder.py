@@ -1,0 +1,245 @@
+"""Issue 2, correctness 1-7: real training of a tiny MLP on the CPU, checked against ground truth."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import ampwatch
+from loops import amp_step, data, mlp, snapshot, changed, train
+
+
+def storm_scaler(**kw):
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=kw.pop("growth_interval", 5), **kw)
+
+
+def attach_to(tmp_path, name="run", **options):
+    return lambda m, o, s: ampwatch.attach(m, o, s, path=str(tmp_path / f"{name}.sqlite"), **options)
+
+
+def test_skipped_steps_equal_parameter_ground_truth(tmp_path):
+    _, watch, applied = train(60, scaler_factory=storm_scaler, attach=attach_to(tmp_path), lr=0.5)
+    steps = ampwatch.load(watch.path).steps
+    assert list(steps["step"]) == list(range(60))
+    truth = [not a for a in applied]
+    assert sum(truth) >= 8, "the storm must actually skip steps"
+    assert list(steps["skipped"]) == truth
+
+
+def test_loss_scale_is_the_scale_used_then_backs_off_and_grows(tmp_path):
+    scales_used = []
+
+    class Spy(torch.amp.GradScaler):  # a real GradScaler; the subclass only reads the scale it used
+        def update(self, new_scale=None):
+            scales_used.append(float(self._scale))
+            super().update(new_scale)
+
+    _, watch, _ = train(60, scaler_factory=lambda: Spy("cpu", init_scale=2.0 ** 24, growth_interval=5),
+                        attach=attach_to(tmp_path))
+    steps = ampwatch.load(watch.path).steps
+    assert list(steps["loss_scale"]) == scales_used
+    for prev, cur in zip(steps.itertuples(), list(steps.itertuples())[1:]):
+        if prev.skipped:
+            assert cur.loss_scale == prev.loss_scale / 2
+    grew = [cur.loss_scale == 2 * prev.loss_scale for prev, cur in zip(steps.itertuples(), list(steps.itertuples())[1:])]
+    assert any(grew), "growth after growth_interval clean steps must be visible"
+
+
+def test_gradient_accumulation_one_row_per_optimizer_step(tmp_path):
+    _, watch, _ = train(10, scaler_factory=lambda: torch.amp.GradScaler("cpu"), attach=attach_to(tmp_path), accum=4)
+    steps = ampwatch.load(watch.path).steps
+    assert len(steps) == 10
+    assert set(steps["micro_batches"]) == {4}
+
+
+def test_loss_is_mean_of_micro_batch_losses(tmp_path):
+    model, opt = mlp(), None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data(1)
+    expected = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for _ in range(3):
+            losses = []
+            for xb, yb in zip(x.chunk(2), y.chunk(2)):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(xb).float(), yb)
+                losses.append(loss.item())
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            expected.append(sum(losses) / 2)
+    got = list(ampwatch.load(watch.path).steps["loss"])
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_grad_norm_is_unscaled_pre_clip_norm(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    truth = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for i in range(8):
+            x, y = data(i)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # a second unscale_ by ampwatch would raise inside GradScaler
+            truth.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # clips hard: post-clip norm is 1e-3
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    got = list(ampwatch.load(watch.path).steps["grad_norm"])
+    assert got == pytest.approx(truth, rel=1e-5)
+    assert min(got) > 1e-2
+
+
+def test_attach_changes_no_number(tmp_path):
+    kwargs = dict(scaler_factory=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 20, growth_interval=3),
+                  accum=2, clip=0.5, lr=0.05)
+    plain, _, _ = train(25, **kwargs)
+    watched, _, _ = train(25, attach=attach_to(tmp_path, layer_every=1), **kwargs)
+    for a, b in zip(plain.parameters(), watched.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_without_scaler_rows_come_from_optimizer_and_loss_from_log(tmp_path, dtype):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    expected = []
+    with ampwatch.attach(model, opt, None, path=str(tmp_path / "r.sqlite")) as watch:
+        for i in range(12):
+            x, y = data(i)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            expected.append(loss.item())
+            watch.log(loss=loss, tokens=100 + i)
+            opt.step()
+            opt.zero_grad()
+    run = ampwatch.load(watch.path)
+    steps = run.steps
+    assert list(steps["loss"]) == pytest.approx(expected)
+    assert steps["loss_scale"].isna().all() and not steps["skipped"].any()
+    assert list(run.metrics[run.metrics.key == "tokens"]["value"]) == [100.0 + i for i in range(12)]
+    assert run.info["amp_dtype"] == (None if dtype == torch.float32 else "bfloat16")
+
+
+def test_disabled_and_deprecated_scalers(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        deprecated = torch.cuda.amp.GradScaler()  # no CUDA here: a disabled scaler, as on a CPU box
+    for i, factory in enumerate([lambda: torch.amp.GradScaler("cpu", enabled=False), lambda: deprecated]):
+        _, watch, applied = train(6, scaler_factory=factory, attach=attach_to(tmp_path, f"d{i}"))
+        run = ampwatch.load(watch.path)
+        assert len(run.steps) == 6 and all(applied)
+        assert run.steps["loss_scale"].isna().all()
+        assert not run.steps["skipped"].any()
+        assert run.steps["loss"].notna().all()
+        assert run.info["scaler_enabled"] is False
+
+
+def test_param_groups_frozen_params_and_zero_grad_to_zero(tmp_path):
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD([{"params": [model[2].weight, model[2].bias], "lr": 0.1},
+                           {"params": [model[4].weight, model[4].bias, model[0].bias], "lr": 0.01}])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=4)
+    applied = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=1) as watch:
+        for i in range(20):
+            before = snapshot(model)
+            amp_step(model, opt, scaler, *data(i), set_to_none=False)
+            applied.append(changed(before, model))
+    run = ampwatch.load(watch.path)
+    assert list(run.steps["skipped"]) == [not a for a in applied]
+    assert run.steps["lr"].eq(0.1).all()
+    assert "0.weight" not in set(run.layers["name"])  # frozen: never has a grad
+    assert run.info["param_count"] == sum(p.numel() for p in model.parameters())
+
+
+def test_layers_every_n_and_on_skipped_steps(tmp_path):
+    _, watch, applied = train(30, scaler_factory=storm_scaler, attach=attach_to(tmp_path, layer_every=7), lr=0.5)
+    run = ampwatch.load(watch.path)
+    layer_steps = set(run.layers["step"])
+    skipped = {i for i, a in enumerate(applied) if not a}
+    assert layer_steps == {s for s in range(30) if s % 7 == 0} | skipped
+    one = run.layers[run.layers.step == 0].set_index("name")
+    # independently: layer norms of step 0 combine to the step's global norm
+    g = run.steps.set_index("step").loc[0, "grad_norm"]
+    if math.isfinite(g):
+        assert math.sqrt((one["grad_norm"] ** 2).sum()) == pytest.approx(g, rel=1e-5)
+    assert (run.layers["grad_zero_frac"].dropna().between(0, 1)).all()
+
+
+def test_tied_weights_counted_once(tmp_path):
+    from ampwatch.demo import TinyGPT
+    model = TinyGPT(d=16, layers=1, heads=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampwatch.attach(model, opt, None, path=str(tmp_path / "r.sqlite")) as watch:
+        pass
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert ampwatch.load(watch.path).info["param_count"] == sum(unique.values())
+
+
+def test_close_restores_scaler_optimizer_and_model(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    before = (dict(scaler.__dict__), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
+              [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()])
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"))
+    assert "step" in scaler.__dict__
+    amp_step(model, opt, scaler, *data(0))
+    watch.close()
+    watch.close()  # idempotent
+    after = (dict(scaler.__dict__), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
+             [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()])
+    assert set(after[0]) == set(before[0]) and after[1:] == before[1:]
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
+               if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
+
+
+def test_two_watches_in_one_process(tmp_path):
+    a_model, b_model = mlp(0), mlp(1)
+    a_opt, b_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (a_model, b_model))
+    a_sc, b_sc = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    with ampwatch.attach(a_model, a_opt, a_sc, path=str(tmp_path / "a.sqlite")) as wa, \
+            ampwatch.attach(b_model, b_opt, b_sc, path=str(tmp_path / "b.sqlite")) as wb:
+        for i in range(5):
+            amp_step(a_model, a_opt, a_sc, *data(i))
+        for i in range(3):
+            amp_step(b_model, b_opt, b_sc, *data(i))
+    assert len(ampwatch.load(wa.path).steps) == 5 and len(ampwatch.load(wb.path).steps) == 3
+    assert ampwatch.load(wb.path).steps["skipped"].iloc[0]
+
+
+def test_bad_options_are_one_line_errors(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="layer_every=0 is invalid"):
+        ampwatch.attach(model, opt, path=str(tmp_path / "x.sqlite"), layer_every=0)
+    with pytest.raises(ValueError, match="unknown ampwatch option 'layer_evry'"):
+        ampwatch.attach(model, opt, path=str(tmp_path / "x.sqlite"), layer_evry=3)
+    with pytest.raises(TypeError, match="optimizer must be"):
+        ampwatch.attach(model, "adam", path=str(tmp_path / "x.sqlite"))
+
+
+def test_existing_run_file_is_never_overwritten(tmp_path):
+    target = tmp_path / "same.sqlite"
+    _, w1, _ = train(2, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(target)))
+    _, w2, _ = train(3, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(target)))
+    assert w1.path != w2.path
+    assert len(ampwatch.load(w1.path).steps) == 2 and len(ampwatch.load(w2.path).steps) == 3
+
+
+def test_default_path_under_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, watch, _ = train(1, attach=lambda m, o, s: ampwatch.attach(m, o, s, name="exp7"))
+    assert watch.path == tmp_path / "runs" / "exp7.sqlite"
+    assert ampwatch.load(watch.path).info["name"] == "exp7"
