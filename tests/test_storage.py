@@ -1,0 +1,225 @@
+"""Issue 2, storage: crash safety with real subprocesses, failure isolation, read-only bad input."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampwatch
+from ampwatch.reader import STALE_AFTER_S, effective_status
+from ampwatch.schema import SCHEMA_VERSION
+from loops import amp_step, data, mlp, train
+
+TRAIN_FOREVER = textwrap.dedent("""
+    import sys, torch, ampwatch
+    sys.path.insert(0, {tests!r})
+    from loops import amp_step, data, mlp
+    torch.set_num_threads(1)
+    model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = ampwatch.attach(model, opt, scaler, path={path!r}, flush_every_s=0.05)
+    i = 0
+    while True:
+        amp_step(model, opt, scaler, *data(i % 7))
+        i += 1
+        if i == 5:
+            print("started", flush=True)
+""")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.7, 1.5])
+def test_sigkill_leaves_readable_run_with_flushed_steps(tmp_path, delay):
+    path = tmp_path / "killed.sqlite"
+    script = TRAIN_FOREVER.format(tests=str(Path(__file__).parent), path=str(path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout.readline().strip() == b"started"
+    time.sleep(delay)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run = ampwatch.load(path)
+    steps = run.steps
+    assert len(steps) >= 1
+    assert list(steps["step"]) == list(range(len(steps)))  # every step up to the last flush, no holes
+    assert steps["loss"].notna().all()
+    assert run.info["status"] == "interrupted"  # dead writer, not "running forever"
+
+
+def test_exception_in_with_block_marks_crashed(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ZeroDivisionError):
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "c.sqlite")) as watch:
+            amp_step(model, opt, scaler, *data(0))
+            1 / 0
+    info = ampwatch.load(watch.path).info
+    assert info["status"] == "crashed"
+    assert "ZeroDivisionError" in info["error"] and "test_storage.py" in info["error"]
+
+
+def test_unclosed_watch_closed_at_exit_and_uncaught_exception_is_crashed(tmp_path):
+    ok, bad = tmp_path / "ok.sqlite", tmp_path / "bad.sqlite"
+    for path, tail in ((ok, ""), (bad, "raise RuntimeError('boom')")):
+        script = textwrap.dedent(f"""
+            import sys, torch, ampwatch
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            from loops import amp_step, data, mlp
+            model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            scaler = torch.amp.GradScaler("cpu")
+            watch = ampwatch.attach(model, opt, scaler, path={str(path)!r})
+            for i in range(3):
+                amp_step(model, opt, scaler, *data(i))
+            {tail}
+        """)
+        subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert ampwatch.load(ok).info["status"] == "finished" and len(ampwatch.load(ok).steps) == 3
+    info = ampwatch.load(bad).info
+    assert info["status"] == "crashed" and "boom" in info["error"]
+
+
+def test_stale_heartbeat_is_interrupted():
+    now = time.time()
+    row = {"status": "running", "hostname": "another-host", "pid": 1, "heartbeat_at": now - STALE_AFTER_S - 1}
+    assert effective_status(row, now) == "interrupted"
+    assert effective_status(dict(row, heartbeat_at=now - 1), now) == "running"
+
+
+def test_reader_sees_flushed_rows_while_writer_is_open(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "live.sqlite"), flush_every_s=0.05) as watch:
+        for i in range(4):
+            amp_step(model, opt, scaler, *data(i))
+        deadline = time.time() + 10
+        while time.time() < deadline and len(ampwatch.load(watch.path).steps) < 4:
+            time.sleep(0.05)
+        live = ampwatch.load(watch.path)
+        assert len(live.steps) == 4 and live.info["status"] == "running"
+    assert ampwatch.load(watch.path).info["status"] == "finished"
+    assert not Path(f"{watch.path}-wal").exists()  # a finished run is one self-contained file
+
+
+def test_unwritable_directory_warns_once_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.warns(RuntimeWarning, match="ampwatch stopped recording"):
+        _, watch, applied = train(5, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(blocker / "r.sqlite")),
+                                  scaler_factory=lambda: torch.amp.GradScaler("cpu"))
+    assert all(applied)
+
+
+def test_strict_raises_instead(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    model = mlp()
+    with pytest.raises(OSError):
+        ampwatch.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), path=str(blocker / "r.sqlite"), strict=True)
+
+
+def test_run_file_removed_mid_run_warns_once_and_training_goes_on(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    path = tmp_path / "gone.sqlite"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch = ampwatch.attach(model, opt, scaler, path=str(path), flush_every_s=0.02)
+        amp_step(model, opt, scaler, *data(0))
+        path.unlink()
+        for i in range(40):
+            amp_step(model, opt, scaler, *data(i))
+            time.sleep(0.01)
+        watch.close()
+    ours = [w for w in caught if "ampwatch stopped recording" in str(w.message)]
+    assert len(ours) == 1 and "removed" in str(ours[0].message)
+    assert "step" not in scaler.__dict__  # patches removed on close even after a failure
+
+
+# --- bad input: RunError with one line, file untouched --------------------------------------------------
+
+def _foreign_sqlite(path: Path) -> Path:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE photos (id INTEGER PRIMARY KEY, url TEXT)")
+    conn.commit()
+    conn.close()
+    return path
+
+
+def _newer_schema(tmp_path: Path) -> Path:
+    _, watch, _ = train(2, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(tmp_path / "new.sqlite")))
+    conn = sqlite3.connect(watch.path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    return watch.path
+
+
+def _truncated(tmp_path: Path) -> Path:
+    _, watch, _ = train(30, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(tmp_path / "t.sqlite"), layer_every=1))
+    data_ = watch.path.read_bytes()
+    target = tmp_path / "truncated.sqlite"
+    target.write_bytes(data_[: len(data_) // 3])
+    return target
+
+
+def _corrupt(tmp_path: Path) -> Path:
+    _, watch, _ = train(30, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(tmp_path / "c.sqlite"), layer_every=1))
+    raw = bytearray(watch.path.read_bytes())
+    for i in range(4096, len(raw), 512):
+        raw[i:i + 64] = b"\xff" * 64
+    target = tmp_path / "corrupt.sqlite"
+    target.write_bytes(bytes(raw))
+    return target
+
+
+BAD_INPUTS = {
+    "missing": (lambda tmp: tmp / "nope.sqlite", "no run file"),
+    "folder": (lambda tmp: tmp, "is a folder"),
+    "text": (lambda tmp: (tmp / "notes.txt").write_text("hello") and tmp / "notes.txt", "not a SQLite file"),
+    "empty": (lambda tmp: (tmp / "empty.sqlite").write_bytes(b"") or tmp / "empty.sqlite", "empty file"),
+    "foreign": (lambda tmp: _foreign_sqlite(tmp / "photos.sqlite"), "another tool"),
+    "newer": (_newer_schema, "newer ampwatch"),
+    "truncated": (_truncated, "corrupt or truncated"),
+    "corrupt": (_corrupt, "corrupt or truncated"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_run_error_and_file_unchanged(tmp_path, case):
+    make, message = BAD_INPUTS[case]
+    path = make(tmp_path)
+    before = _digest(path) if path.is_file() else None
+    with pytest.raises(ampwatch.RunError) as err:
+        run = ampwatch.load(path)
+        run.steps, run.layers, run.events  # noqa: B018 - force every table read
+    assert message in str(err.value) and "\n" not in str(err.value)
+    if before is not None:
+        assert _digest(path) == before
+    cli = subprocess.run([sys.executable, "-m", "ampwatch", "summary", str(path)], capture_output=True, text=True)
+    assert cli.returncode == 2
+    assert cli.stderr.strip().count("\n") == 0 and message in cli.stderr and "Traceback" not in cli.stderr
+    if before is not None:
+        assert _digest(path) == before
+
+
+def test_reader_cannot_write(tmp_path):
+    from ampwatch.reader import connect
+    _, watch, _ = train(2, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(tmp_path / "r.sqlite")))
+    with connect(watch.path) as conn:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            conn.execute("DELETE FROM steps")
