@@ -1,0 +1,234 @@
+"""Issue 3: where NaN/Inf is born. The injected fault's location is the ground truth."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+import ampwatch
+from ampwatch import probes
+from ampwatch.demo import TinyGPT, batches
+from loops import amp_step, data, mlp
+
+
+def gpt_run(tmp_path, steps, fault=None, init_scale=2.0 ** 12, **options):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, seq=16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+    stream = batches(64, 16, 4, 0)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "gpt.sqlite"), **options) as watch:
+        for step in range(steps):
+            if fault:
+                fault(model, step)
+            x, y = next(stream)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, 64), y.reshape(-1))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return ampwatch.load(watch.path)
+
+
+def test_forward_overflow_origin_is_the_scaled_layer(tmp_path):
+    def fault(model, step):
+        if step == 3:
+            with torch.no_grad():
+                model.h[1].mlp.fc.weight.mul_(3e5)
+
+    run = gpt_run(tmp_path, 5, fault)
+    ev = run.events
+    assert ev[ev.step < 3].empty
+    at = ev[(ev.step == 3) & (ev.phase == "forward")]
+    origins = at[at.origin]
+    assert list(origins["module"]) == ["h.1.mlp.fc"] and origins["kind"].iloc[0] == "inf"
+    assert origins["dtype"].iloc[0] == "float16" and origins["count"].iloc[0] > 0
+    propagated = set(at[~at.origin]["module"])
+    assert {"h.1.mlp.act", "h.1.mlp", "h.1"} & propagated  # recorded, not marked origin
+    assert "h.1.mlp.fc" not in propagated
+    assert run.steps.set_index("step").loc[3, "skipped"]
+    assert (ev.groupby(["step", "phase"])["origin"].sum() <= 1).all()  # at most one origin per phase per step
+
+
+class DivideBySelfDiff(nn.Module):
+    def forward(self, x):
+        return (x - x) / (x - x)  # 0/0: NaN born here, from finite inputs
+
+
+def test_nan_from_an_operation(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), DivideBySelfDiff(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.zeros(4, 16)
+    y = torch.zeros(4, 4)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        amp_step(model, opt, scaler, x, y)
+    ev = ampwatch.load(watch.path).events
+    origin = ev[ev.origin & (ev.phase == "forward")]
+    assert list(origin["module"]) == ["1"] and origin["kind"].iloc[0] == "nan"
+    assert origin["count"].iloc[0] == 4 * 8
+    assert set(ev[(ev.phase == "forward") & ~ev.origin]["module"]) == {"2", "<model>"}
+    assert "loss" in set(ev["phase"])
+
+
+class HugeGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class BadBackward(nn.Module):
+    def forward(self, x):
+        return HugeGrad.apply(x)
+
+
+def test_backward_only_origin(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), BadBackward(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        amp_step(model, opt, scaler, *data(0))
+    run = ampwatch.load(watch.path)
+    ev = run.events
+    assert ev[ev.phase == "forward"].empty
+    origin = ev[ev.origin & (ev.phase == "backward")]
+    assert list(origin["module"]) == ["2"]
+    assert "1" in set(ev[(ev.phase == "backward") & ~ev.origin]["module"])  # passed on upstream
+    assert {"0.weight", "0.bias"} <= set(ev[ev.phase == "param_grad"]["module"])
+    assert run.steps["skipped"].iloc[0]
+
+
+def test_overflow_from_scale_alone_is_backward_only_and_stops(tmp_path):
+    run = gpt_run(tmp_path, 40, init_scale=2.0 ** 24)
+    ev, steps = run.events, run.steps
+    assert set(ev["phase"]) <= {"backward", "param_grad"} and len(ev)
+    skipped = set(steps[steps.skipped]["step"])
+    assert skipped and set(ev["step"]) <= skipped
+    assert max(skipped) < 30  # the scale backed off and the events stopped
+    assert ev[ev.step > max(skipped)].empty
+
+
+def test_healthy_run_has_no_events(tmp_path):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        first_out_amax = float(model(data(0)[0]).abs().max())  # independent: before any update
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=50) as watch:
+        for i in range(300):
+            amp_step(model, opt, scaler, *data(i % 17))
+    run = ampwatch.load(watch.path)
+    assert run.events.empty and not run.steps["skipped"].any()
+    mods = run.modules
+    assert set(mods["step"]) == {0, 50, 100, 150, 200, 250}
+    assert not mods["nonfinite"].any()
+    fwd0 = mods[(mods.step == 0) & (mods.phase == "forward")].set_index("module")
+    assert fwd0.loc["4", "amax"] == first_out_amax
+    assert (mods[mods.phase == "forward"]["amax"] > 0).all()
+
+
+class Awkward(nn.Module):
+    """Weight sharing, tuple/dict/int/bool outputs, a no_grad section, checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        self.tupler = TupleOut()
+        self.frozen = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.shared(x)
+        x = self.shared(torch.relu(x))  # same module twice per step
+        parts = self.tupler(x)
+        with torch.no_grad():
+            _ = self.frozen(parts[0])
+        x = checkpoint(self.shared, parts[1]["h"], use_reentrant=False)
+        return self.head(x)
+
+
+class TupleOut(nn.Module):
+    def forward(self, x):
+        return x * 2, {"h": x + 1, "n": torch.tensor(3), "mask": x > 0}, 7
+
+
+def test_awkward_models_do_not_crash(tmp_path):
+    torch.manual_seed(0)
+    model = Awkward()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=1) as watch:
+        for _ in range(5):
+            amp_step(model, opt, scaler, x, y)
+    run = ampwatch.load(watch.path)
+    assert len(run.steps) == 5 and run.events.empty
+    fwd = run.modules[(run.modules.step == 0) & (run.modules.phase == "forward")].set_index("module")
+    assert {"shared", "tupler", "frozen", "head"} <= set(fwd.index)
+    assert fwd.loc["tupler", "amax"] > 0
+
+
+def test_inplace_relu_after_hooked_module_trains(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(2, 3, 8, 8))
+            scaler.scale(out.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert len(ampwatch.load(watch.path).steps) == 3
+
+
+def test_device_resident_path_gives_same_answer(tmp_path, monkeypatch):
+    """On CUDA the hooks keep stats on the device and read them once per step; run that path here."""
+    def fault(model, step):
+        if step == 2:
+            with torch.no_grad():
+                model.h[0].attn["qkv"].weight.mul_(3e5)
+
+    host = gpt_run(tmp_path / "host", 3, fault)
+    monkeypatch.setattr(probes, "reads_are_free", lambda device: False)
+    device = gpt_run(tmp_path / "device", 3, fault)
+    cols = ["step", "phase", "module", "kind", "count", "origin"]
+    a = host.events[cols].sort_values(cols[:3]).reset_index(drop=True)
+    b = device.events[cols].sort_values(cols[:3]).reset_index(drop=True)
+    assert len(a) and a.equals(b)
+    assert list(a[a.origin & (a.phase == "forward")]["module"]) == ["h.0.attn.qkv"]
+
+
+def test_localize_off_installs_no_module_hooks(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampwatch.attach(model, opt, path=str(tmp_path / "r.sqlite"), localize=False) as watch:
+        assert all(not m._forward_hooks for m in model.modules())
+        amp_step(model, opt, None, *data(0), watch=watch)
+    run = ampwatch.load(watch.path)
+    assert run.modules.empty and len(run.steps) == 1
+
+
+def test_detach_removes_every_hook(tmp_path):
+    from ampwatch.demo import TinyGPT
+    model = TinyGPT(d=16, layers=1, heads=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
+    watch = ampwatch.attach(model, opt, torch.amp.GradScaler("cpu"), path=str(tmp_path / "r.sqlite"))
+    assert any(m._forward_hooks for m in model.modules())
+    watch.close()
+    after = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
+    assert after == before
