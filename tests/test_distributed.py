@@ -1,0 +1,31 @@
+"""Issue 2, correctness 8: under DDP (gloo, 2 CPU processes) each rank records its own file."""
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import ampwatch
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_each_rank_records_its_own_file(tmp_path):
+    worker = Path(__file__).with_name("ddp_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), _free_port()],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(p.name for p in tmp_path.glob("*.sqlite"))
+    assert files == ["ddp.rank0.sqlite", "ddp.rank1.sqlite"]
+    runs = [ampwatch.load(tmp_path / f) for f in files]
+    assert [r.info["rank"] for r in runs] == [0, 1]
+    assert all(r.info["world_size"] == 2 and r.info["config"] == {"world": 2} for r in runs)
+    for r in runs:
+        assert len(r.steps) == 12
+    # gradients are all-reduced, so both ranks agree on every step's skip and scale
+    a, b = (r.steps for r in runs)
+    assert list(a["skipped"]) == list(b["skipped"]) and a["skipped"].any()
+    assert list(a["loss_scale"]) == list(b["loss_scale"])
