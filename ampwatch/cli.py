@@ -78,8 +78,9 @@ def ls_(folder: str) -> None:
     """
     from .reader import find_runs
     from .summary import summarize
+    paths = find_runs(folder)
     click.echo(f"{'name':<28} {'status':<12} {'steps':>8} {'skipped%':>9} {'last loss':>10}")
-    for path in find_runs(folder):
+    for path in paths:
         try:
             s = summarize(_load(str(path)))
         except RunError as exc:

@@ -1,0 +1,97 @@
+"""CLI: exact outputs against values read independently from the SQLite file."""
+from __future__ import annotations
+
+import math
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+import ampwatch
+from ampwatch.cli import cli
+from ampwatch.schema import SCHEMA_VERSION
+
+SAMPLES = Path(__file__).parent.parent / "sample_runs"
+
+
+def _sql(path, query):
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute(query).fetchone()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("name", ["healthy_fp16", "overflow_storm", "diverged", "bf16_noscaler"])
+def test_summary_matches_sqlite(name):
+    path = SAMPLES / f"{name}.sqlite"
+    result = CliRunner().invoke(cli, ["summary", str(path)])
+    assert result.exit_code == 0, result.output
+    n, skipped = _sql(path, "SELECT COUNT(*), SUM(skipped) FROM steps")
+    assert f"steps    {n}  skipped {skipped} ({100 * skipped / n:.1f}%)" in result.output
+    scale_min = _sql(path, "SELECT MIN(loss_scale) FROM steps")[0]
+    assert (f"min {scale_min:.4g}" if scale_min is not None else "min -") in result.output
+    assert "finished" in result.output
+
+
+def test_ls_lists_every_run_and_reports_unreadable(tmp_path):
+    for f in SAMPLES.glob("*.sqlite"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "junk.sqlite").write_text("not a database")
+    result = CliRunner().invoke(cli, ["ls", str(tmp_path)])
+    assert result.exit_code == 0
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 + 5
+    assert any(l.startswith("junk.sqlite") and "unreadable" in l for l in lines)
+    storm = next(l for l in lines if l.startswith("overflow_storm"))
+    n, skipped = _sql(SAMPLES / "overflow_storm.sqlite", "SELECT COUNT(*), SUM(skipped) FROM steps")
+    assert f"{100 * skipped / n:.1f}" in storm and str(n) in storm
+
+
+def test_ls_of_empty_or_missing_folder_is_exit_2(tmp_path):
+    for folder in (tmp_path, tmp_path / "missing"):
+        result = CliRunner().invoke(cli, ["ls", str(folder)])
+        assert result.exit_code == 2 and result.output.count("\n") == 1
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_export_round_trips(tmp_path, fmt):
+    path = SAMPLES / "diverged.sqlite"
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", fmt, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    read = pd.read_csv if fmt == "csv" else pd.read_parquet
+    run = ampwatch.load(path)
+    steps = read(tmp_path / f"diverged_steps.{fmt}")
+    assert len(steps) == _sql(path, "SELECT COUNT(*) FROM steps")[0]
+    assert steps["skipped"].sum() == run.steps["skipped"].sum()
+    assert math.isnan(steps["loss"].iloc[-1])  # NaN survives the export
+    events = read(tmp_path / f"diverged_events.{fmt}")
+    assert len(events) == _sql(path, "SELECT COUNT(*) FROM events")[0]
+    assert len(read(tmp_path / f"diverged_layers.{fmt}")) == _sql(path, "SELECT COUNT(*) FROM layers")[0]
+
+
+def test_python_dash_m_and_version():
+    out = subprocess.run([sys.executable, "-m", "ampwatch", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and ampwatch.__version__ in out.stdout
+
+
+def test_sample_runs_are_current_and_small():
+    files = sorted(SAMPLES.glob("*.sqlite"))
+    assert {f.stem for f in files} >= {"healthy_fp16", "overflow_storm", "diverged", "bf16_noscaler"}
+    for f in files:
+        assert f.stat().st_size <= 3 * 1024 * 1024
+        assert _sql(f, "PRAGMA user_version")[0] == SCHEMA_VERSION
+        assert ampwatch.load(f).info["status"] == "finished"
+
+
+def test_demo_regenerates_a_sample(tmp_path):
+    result = CliRunner().invoke(cli, ["demo", "--out", str(tmp_path), "--only", "bf16_noscaler"])
+    assert result.exit_code == 0, result.output
+    fresh = ampwatch.load(tmp_path / "bf16_noscaler.sqlite").steps
+    committed = ampwatch.load(SAMPLES / "bf16_noscaler.sqlite").steps
+    # deterministic: fixed seeds, one thread -> the same training numbers
+    assert list(fresh["loss"]) == list(committed["loss"])
