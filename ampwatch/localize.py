@@ -180,22 +180,18 @@ class ModuleStat:
     inf: float = 0.0
     dtype: str = ""
 
-    def add(self, lo: float, hi: float, nan: float, inf: float, dtype: str) -> None:
-        bad = not (math.isfinite(lo) and math.isfinite(hi))
-        amax = max(abs(lo), abs(hi)) if not (math.isnan(lo) or math.isnan(hi)) else math.nan
-        if bad:
-            self.nonfinite = True
-            self.nan += nan
-            self.inf += inf
-        if math.isnan(amax) or math.isnan(self.amax):
-            self.amax = math.nan
-        else:
-            self.amax = max(self.amax, amax)
-        self.dtype = self.dtype or dtype
+
+def _slot_summaries(values: list[tuple[float, float, float, float]]) -> tuple[list[bool], list[float]]:
+    """Per slot: non-finite? and max |value| (NaN when a NaN was present). The writer's hot loop."""
+    isfinite, isnan, nan = math.isfinite, math.isnan, math.nan
+    bad = [not (isfinite(lo) and isfinite(hi)) for lo, hi, _, _ in values]
+    amax = [nan if isnan(lo) or isnan(hi) else max(-lo, hi, lo, -hi) for lo, hi, _, _ in values]
+    return bad, amax
 
 
-def _is_bad(v: tuple[float, float, float, float]) -> bool:
-    return not (math.isfinite(v[0]) and math.isfinite(v[1]))
+def any_nonfinite(values: list[tuple[float, float, float, float]]) -> bool:
+    isfinite = math.isfinite
+    return not all(isfinite(v[0]) and isfinite(v[1]) for v in values)
 
 
 def _innermost(candidates: list[int], names: list[str]) -> int:
@@ -203,6 +199,20 @@ def _innermost(candidates: list[int], names: list[str]) -> int:
     def depth(i: int) -> int:
         return -1 if names[i] == "<model>" else names[i].count(".")
     return max(candidates, key=lambda i: (depth(i), -candidates.index(i)))
+
+
+def _merge(stats: dict, key: tuple[int, str], slot: int, bad: list[bool], amax: list[float],
+           values: list, dtype: str) -> None:
+    stat = stats.get(key)
+    a = amax[slot]
+    if stat is None:
+        stat = stats[key] = ModuleStat(amax=a, dtype=dtype)
+    elif a != a or a > stat.amax:  # NaN (a != a) wins: it was seen
+        stat.amax = a
+    if bad[slot]:
+        stat.nonfinite = True
+        stat.nan += values[slot][2]
+        stat.inf += values[slot][3]
 
 
 def analyse(records: StepRecords, values: list[tuple[float, float, float, float]],
@@ -214,27 +224,26 @@ def analyse(records: StepRecords, values: list[tuple[float, float, float, float]
     gradients flow: the first module whose gradient w.r.t. its input is non-finite while the
     gradient w.r.t. its output was finite.
     """
+    bad, amax = _slot_summaries(values)
+    slots = records.slots
     stats: dict[tuple[int, str], ModuleStat] = {}
     origins: dict[str, Optional[int]] = {FORWARD: None, BACKWARD: None}
     for module, inputs, outputs in records.calls:
-        stat = stats.setdefault((module, FORWARD), ModuleStat())
         for s in outputs:
-            stat.add(*values[s], records.slots[s].dtype)
-        if origins[FORWARD] is None and any(_is_bad(values[s]) for s in outputs) \
-                and not any(_is_bad(values[s]) for s in inputs):
+            _merge(stats, (module, FORWARD), s, bad, amax, values, slots[s].dtype)
+        if origins[FORWARD] is None and any(bad[s] for s in outputs) and not any(bad[s] for s in inputs):
             origins[FORWARD] = module
     out_bad: dict[int, bool] = {}
     for slot, roles in records.grads:
-        v = values[slot]
-        bad = _is_bad(v)
-        for module, role in roles:
-            if role == "out":
-                out_bad[module] = out_bad.get(module, False) or bad
+        is_bad = bad[slot]
         candidates = []
         for module, role in roles:
+            if role == "out":
+                out_bad[module] = out_bad.get(module, False) or is_bad
+        for module, role in roles:
             if role == "in":
-                stats.setdefault((module, BACKWARD), ModuleStat()).add(*v, records.slots[slot].dtype)
-                if bad and not out_bad.get(module, False):
+                _merge(stats, (module, BACKWARD), slot, bad, amax, values, slots[slot].dtype)
+                if is_bad and not out_bad.get(module, False):
                     candidates.append(module)
         if candidates and origins[BACKWARD] is None:
             origins[BACKWARD] = _innermost(candidates, names)
@@ -243,6 +252,8 @@ def analyse(records: StepRecords, values: list[tuple[float, float, float, float]
 
 def resolve_values(records: StepRecords, device_values: list[float]) -> list[tuple[float, float, float, float]]:
     """Each slot's (min, max, nan, inf), taking device slots from the step's transferred values."""
+    if not records.device_stats:
+        return [slot.host for slot in records.slots]  # type: ignore[misc]
     out = []
     for slot in records.slots:
         if slot.host is not None:

@@ -54,6 +54,11 @@ def _nullable(x: Optional[float]) -> Optional[float]:
     return None if x is None or math.isnan(x) else x
 
 
+def _clean(values: list) -> list:
+    """NaN -> None (SQLite would store NULL anyway; the nan_mask column remembers it was NaN)."""
+    return [None if v is None or v != v else v for v in values]
+
+
 def _kind(nan: float, inf: float, value: float = 0.0) -> str:
     if nan and inf:
         return "nan+inf"
@@ -124,24 +129,28 @@ class PackReader:
         return {pid: tuple(flat[5 * i:5 * i + 5]) for i, pid in enumerate(pack.detail_ids)}
 
     def _layer_rows(self, pack: StepPack, norms: list[float], detail: dict[int, tuple]) -> list[tuple]:
-        rows = []
-        for pid, n in zip(pack.norm_ids, norms):
-            amax = nan = inf = zero = pnorm = None
-            if pid in detail:
-                amax, nan, inf, zero, pnorm = detail[pid]
-            mask = 0
-            for col, v in (("grad_norm", n), ("grad_amax", amax), ("param_norm", pnorm)):
-                if v is not None and math.isnan(v):
-                    mask |= LAYER_NAN_BITS[col]
-            numel = pack.param_numel.get(pid) or 1
-            rows.append((pid, pack.step, _nullable(n), _nullable(amax), _nullable(pnorm),
-                         None if nan is None else int(nan + inf),
-                         None if zero is None else zero / numel, mask))
-        return rows
+        """Column-wise with comprehensions: this loop is most of the writer's time (bench/storage.py)."""
+        ids, step = pack.norm_ids, pack.step
+        if detail and len(detail) == len(ids):
+            cols = list(zip(*(detail[pid] for pid in ids)))
+            amax, nan, inf, zero, pnorm = (list(c) for c in cols)
+            nonfinite = [int(a + b) for a, b in zip(nan, inf)]
+            zero_frac = [z / (pack.param_numel.get(pid) or 1) for z, pid in zip(zero, ids)]
+        else:
+            amax = pnorm = nonfinite = zero_frac = [None] * len(ids)  # type: ignore[assignment]
+        bits = LAYER_NAN_BITS
+        mask = [(bits["grad_norm"] if n != n else 0) | (bits["grad_amax"] if a is not None and a != a else 0)
+                | (bits["param_norm"] if p is not None and p != p else 0)
+                for n, a, p in zip(norms, amax, pnorm)]
+        return list(zip(ids, [step] * len(ids), _clean(norms), _clean(amax), _clean(pnorm),
+                        nonfinite, zero_frac, mask))
 
     def _localization_rows(self, pack: StepPack, device_values: list[float], out: Rows) -> None:
         records = pack.loc
         values = localize.resolve_values(records, device_values)
+        # Most steps are healthy and not detail steps: nothing to write, so skip the analysis.
+        if pack.step % self.layer_every and not localize.any_nonfinite(values):
+            return
         stats, origins = localize.analyse(records, values, self.module_names)
         has_events = any(s.nonfinite for s in stats.values())
         for (module, phase), s in stats.items():
