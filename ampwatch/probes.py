@@ -75,6 +75,17 @@ def steps_inside_kernel(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def at_backward_end(callback: Any) -> None:
+    """Run ``callback`` once the current backward pass has finished (call from inside an autograd hook).
+
+    The engine runs queued callbacks after syncing the leaf streams, so on CUDA the callback may read
+    any gradient on the current stream. We queue a callback that queues ours: callbacks added while
+    callbacks run go last, so ours runs after every callback queued during the pass, such as DDP's
+    finalize_backward, which waits for the gradient all-reduce."""
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(lambda: engine.queue_callback(callback))
+
+
 # --- gradients ------------------------------------------------------------------------------
 
 def _group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:

@@ -167,6 +167,19 @@ class Watch:
 
     def _on_backward(self, param: Any) -> None:
         self._backwards += 1
+        probes.at_backward_end(self._guarded(self._on_backward_end))
+
+    def _on_backward_end(self) -> None:
+        """Measure gradients as backward leaves them: before any user clipping, with or without a
+        scaler (dividing by the scale they carry). With accumulation the last micro-batch wins."""
+        scaling = self.scaler is not None and probes.scaler_enabled(self.scaler)
+        if scaling and probes.optimizer_stage_unscaled(self.scaler, self.optimizer):
+            return  # backward after unscale_ (unusual): leave it to the step-time measurement
+        scale = probes.scale_tensor(self.scaler) if scaling else None
+        if scaling and scale is None:
+            return
+        self._norms = self._detail = None
+        self._measure_grads(inv_scale=None if scale is None else scale.double().reciprocal().float())
 
     def _measure_grads(self, inv_scale: Optional[torch.Tensor] = None) -> None:
         """Per-parameter grad norms (one foreach call), and detail on layer/bad steps. No sync,

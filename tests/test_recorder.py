@@ -243,3 +243,44 @@ def test_default_path_under_runs(tmp_path, monkeypatch):
     _, watch, _ = train(1, attach=lambda m, o, s: ampwatch.attach(m, o, s, name="exp7"))
     assert watch.path == tmp_path / "runs" / "exp7.sqlite"
     assert ampwatch.load(watch.path).info["name"] == "exp7"
+
+
+def _pre_clip_truth(model, scale=1.0):
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])) / scale
+
+
+@pytest.mark.parametrize("mode", ["bf16-no-scaler", "scaled-clip-misuse", "accumulated"])
+def test_grad_norm_is_pre_clip_whoever_clips(tmp_path, mode):
+    """No scaler: the norm is taken when backward ends, before the user's clip. Clipping still-scaled
+    gradients (a misuse) or clipping after accumulation: still the unscaled pre-clip norm."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = None if mode == "bf16-no-scaler" else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    dtype = torch.bfloat16 if scaler is None else torch.float16
+    accum = 2 if mode == "accumulated" else 1
+    truth = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for i in range(6):
+            x, y = data(i)
+            for xb, yb in zip(x.chunk(accum), y.chunk(accum)):
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = torch.nn.functional.mse_loss(model(xb).float(), yb) / accum
+                if scaler is None:
+                    loss.backward()
+                    watch.log(loss=loss)
+                else:
+                    scaler.scale(loss).backward()
+            scale = 1.0 if scaler is None else scaler.get_scale()
+            truth.append(_pre_clip_truth(model, scale))
+            if mode == "accumulated":
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+    got = list(ampwatch.load(watch.path).steps["grad_norm"])
+    assert got == pytest.approx(truth, rel=1e-5)
+    assert min(got) > 1e-2  # far above the 1e-4 clip: not the post-clip norm
