@@ -111,10 +111,20 @@ def train(path: Path, steps: int, *, dtype: torch.dtype = torch.float16, use_sca
     return watch.path
 
 
-def _storm_lr(step: int) -> float:
-    # warm, then a 10x learning-rate spike for 40 steps, then back: the scale keeps colliding with
-    # gradient overflow (growth_interval=10) and the spike makes it worse before the run recovers.
-    return 3e-3 * 10 if 120 <= step < 160 else 3e-3
+def _activation_burst(module: str, start: int, end: int, factor: float) -> Callable[[nn.Module, int], None]:
+    """Simulates a burst of outlier batches: ``module``'s fp16 output is scaled by ``factor`` for steps
+    [start, end), so the forward overflows, every such step is skipped and the scale collapses; the
+    weights are untouched (skipped steps don't update), so the run recovers after the burst."""
+    state = {"step": -1, "handle": None}
+
+    def amplify(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
+        return output * factor if start <= state["step"] < end else None
+
+    def fault(model: nn.Module, step: int) -> None:
+        state["step"] = step
+        if state["handle"] is None:
+            state["handle"] = model.get_submodule(module).register_forward_hook(amplify)
+    return fault
 
 
 def _corrupt_once(step_at: int, module: str, factor: float) -> Callable[[nn.Module, int], None]:
@@ -128,7 +138,8 @@ def _corrupt_once(step_at: int, module: str, factor: float) -> Callable[[nn.Modu
 
 SAMPLES: dict[str, dict] = {
     "healthy_fp16": dict(steps=300, init_scale=2.0 ** 20),
-    "overflow_storm": dict(steps=300, init_scale=2.0 ** 24, growth_interval=10, lr_at=_storm_lr),
+    "overflow_storm": dict(steps=300, init_scale=2.0 ** 24, growth_interval=10,
+                           fault=_activation_burst("h.0.mlp.fc", 120, 150, 1e5)),
     "diverged": dict(steps=250, init_scale=2.0 ** 16, fault=_corrupt_once(180, "h.1.mlp.fc", 1e5)),
     "bf16_noscaler": dict(steps=300, dtype=torch.bfloat16, use_scaler=False),
 }
