@@ -123,7 +123,8 @@ def _activation_burst(module: str, start: int, end: int, factor: float) -> Calla
     def fault(model: nn.Module, step: int) -> None:
         state["step"] = step
         if state["handle"] is None:
-            state["handle"] = model.get_submodule(module).register_forward_hook(amplify)
+            # prepend: run before ampwatch's own hook, so the recording sees what the next layer sees
+            state["handle"] = model.get_submodule(module).register_forward_hook(amplify, prepend=True)
     return fault
 
 
