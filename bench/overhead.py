@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--variants", default="base,ampwatch,ampwatch_layer_every_1,ampwatch_no_localize,duo,anomaly")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    import ampwatch.recorder  # noqa: F401  (installs ampwatch's log handler, which we then quieten)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)  # one "recording to" line per block is noise
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     model, x, loss_fn = make_workload(args.workload)
