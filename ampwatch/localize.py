@@ -42,6 +42,24 @@ class StepRecords:
     grads: list[tuple[int, list[tuple[int, str]]]] = field(default_factory=list)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    # str(dtype) costs a microsecond per call, and hooks call this for every tensor of every module
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _tensor_list(obj: Any) -> list[torch.Tensor]:
+    """:func:`_tensors` as a list, with a fast path for the common single-tensor case."""
+    if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+        return [obj] if obj.is_floating_point() and obj.numel() > 0 else []
+    return list(_tensors(obj))
+
+
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Floating-point tensors inside a module's inputs/outputs (tuples, lists, dicts, HF outputs)."""
     if isinstance(obj, torch.Tensor):
@@ -111,14 +129,13 @@ class Localizer:
             nan = inf = 0.0
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 nan, inf = float(torch.isnan(t).sum()), float(torch.isinf(t).sum())
-            records.slots.append(Slot(str(t.dtype).replace("torch.", ""), host=(lo, hi, nan, inf)))
+            records.slots.append(Slot(_dtype_name(t.dtype), host=(lo, hi, nan, inf)))
         else:
             stats = torch.stack([mn.to(self._pack_dtype), mx.to(self._pack_dtype),
                                  torch.isnan(t).sum().to(self._pack_dtype),
                                  torch.isinf(t).sum().to(self._pack_dtype)])
             records.device_stats.append(stats.to(self._pack_device, non_blocking=True))
-            records.slots.append(Slot(str(t.dtype).replace("torch.", ""),
-                                      device_index=len(records.device_stats) - 1))
+            records.slots.append(Slot(_dtype_name(t.dtype), device_index=len(records.device_stats) - 1))
         return len(records.slots) - 1
 
     def _slot_for(self, t: torch.Tensor) -> int:
@@ -135,7 +152,10 @@ class Localizer:
     def _before_forward(self, index: int, module: Any, args: Any, kwargs: Any) -> None:
         if not (self._active and self._should_record()):
             return
-        tensors = list(_tensors(args)) + list(_tensors(kwargs))
+        if len(args) == 1 and not kwargs:
+            tensors = _tensor_list(args[0])
+        else:
+            tensors = _tensor_list(args) + _tensor_list(kwargs)
         self._pending_inputs.setdefault(index, []).append([self._slot_for(t) for t in tensors])
         if torch.is_grad_enabled():
             for t in tensors:
@@ -147,7 +167,7 @@ class Localizer:
             return
         stack = self._pending_inputs.get(index)
         inputs = stack.pop() if stack else []
-        tensors = list(_tensors(output))
+        tensors = _tensor_list(output)
         self._records.calls.append((index, inputs, [self._slot_for(t) for t in tensors]))
         if torch.is_grad_enabled():
             for t in tensors:
