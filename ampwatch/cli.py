@@ -143,38 +143,44 @@ def demo(out: str, only: tuple) -> None:
 @cli.command()
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def doctor(path: str, as_json: bool) -> None:
+@click.option("--fail-on", type=click.Choice(["error", "warning", "never"]), default="error", show_default=True,
+              help="lowest severity that makes the exit status 1")
+def doctor(path: str, as_json: bool, fail_on: str) -> None:
     """Diagnose a run (or every run in a folder): findings with evidence and advice.
 
-    Exit status: 0 no error-severity finding, 1 at least one, 2 unreadable input.
+    Exit status: 0 no finding at --fail-on severity (default: error), 1 at least one,
+    2 unreadable input (in a folder: any unreadable run).
 
     \b
     Example:
         ampwatch doctor sample_runs/diverged.sqlite
+        ampwatch doctor sample_runs --json
     """
-    from .doctor import diagnose, format_report
+    from .doctor import SEVERITIES, diagnose, format_report
     from .reader import find_runs
-    paths = find_runs(path) if Path(path).is_dir() else [Path(path)]
-    reports, worst = [], 0
+    folder = Path(path).is_dir()
+    paths = find_runs(path) if folder else [Path(path)]
+    failing = set() if fail_on == "never" else set(SEVERITIES[:SEVERITIES.index(fail_on) + 1])
+    reports, status = [], 0
     for p in paths:
         try:
             run = _load(str(p))
-        except RunError:
-            if len(paths) == 1:
+            findings = diagnose(run)
+        except RunError as exc:
+            if not folder:
                 raise
-            click.echo(f"ampwatch: skipping unreadable {p}", err=True)
+            click.echo(f"ampwatch: {exc}", err=True)  # the other runs are still diagnosed
+            status = 2
             continue
-        findings = diagnose(run)
-        if any(f.severity == "error" for f in findings):
-            worst = 1
+        if any(f.severity in failing for f in findings):
+            status = max(status, 1)
         reports.append((run, findings))
     if as_json:
-        payload = [{"run": r.name, "path": str(r.path), "findings": [f.to_dict() for f in fs]}
-                   for r, fs in reports]
-        click.echo(json.dumps(payload[0] if len(payload) == 1 and not Path(path).is_dir() else payload, indent=2))
+        payload = [{"run": r.name, "path": str(r.path), "findings": [f.to_dict() for f in fs]} for r, fs in reports]
+        click.echo(json.dumps(payload if folder else payload[0], indent=2))
     else:
-        click.echo("\n\n".join(format_report(r, fs) for r, fs in reports))
-    sys.exit(worst)
+        click.echo(("\n\n" + "-" * 100 + "\n").join(format_report(r, fs) for r, fs in reports))
+    sys.exit(status)
 
 
 def main(argv: Optional[list] = None) -> None:
