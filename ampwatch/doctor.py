@@ -68,9 +68,11 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
 
 def num(x: Any) -> str:
     """1,234 for integers, 3 significant digits otherwise, 2^k for exact powers of two as a hint."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
+    if x is None:
         return "n/a"
     x = float(x)
+    if math.isnan(x):
+        return "NaN"
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     text = f"{int(x):,}" if x.is_integer() and abs(x) < 1e15 else f"{x:.3g}"
@@ -235,8 +237,13 @@ class Facts:
         return g.sort_values(["n", "first"], ascending=[False, True]).reset_index(drop=True)
 
 
+def place(module: str, phase: str) -> str:
+    """``h.0.mlp.fc (forward)``, or ``the loss``."""
+    return "the loss" if phase == "loss" else f"{module} ({phase})"
+
+
 def describe_origins(origins: pd.DataFrame, limit: int = 3) -> str:
-    parts = [f"{r.module} ({r.phase}) at {r.n:,} step{'s' if r.n != 1 else ''}"
+    parts = [f"{place(r.module, r.phase)} at {r.n:,} step{'s' if r.n != 1 else ''}"
              for r in origins.head(limit).itertuples()]
     return "; ".join(parts)
 

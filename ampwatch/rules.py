@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import numpy as np
 import pandas as pd
 
-from .doctor import (FP16_MAX, Facts, Finding, describe_origins, fix_for_origin, num, pct, span)
+from .doctor import FP16_MAX, Facts, Finding, describe_origins, fix_for_origin, num, pct, place, span
 
 # Recurring overflow: GradScaler's defaults (growth_interval=2000) allow one probing skip per ~2000
 # steps (0.05%). 2% is 40x that, and means 2% of the batches are thrown away; below 3 skips there is
@@ -209,7 +209,7 @@ def scale_collapse(facts: Facts) -> list[Finding]:
     else:
         advice = ("The gradients overflow at any scale: find the layer (localize=True records it) "
                   "and keep it in fp32, or use bf16 autocast.")
-    where = f" at {origins['module'].iloc[0]} ({origins['phase'].iloc[0]})" if len(origins) else ""
+    where = f" at {place(origins['module'].iloc[0], origins['phase'].iloc[0])}" if len(origins) else ""
     return [_finding(facts, "scale-collapse", "error", f"Loss scale collapsed{where}: it keeps halving",
                      first, last, evidence, advice)]
 
@@ -399,25 +399,30 @@ WEIGHT_JUMP = 10.0
 
 
 def weight_jump(facts: Facts, module: str, step: int) -> Optional[tuple[str, float, float, int, int]]:
-    """The parameter of ``module`` whose norm jumped >= WEIGHT_JUMP x by ``step``: (name, before,
-    after, step before, step after), from the recorded parameter norms."""
+    """The parameter of ``module`` whose norm jumped >= WEIGHT_JUMP x (or became NaN/inf) by
+    ``step``: (name, before, after, step before, step after), from the recorded parameter norms.
+    Norms are measured before the optimizer step, so a NaN update at ``step`` does not count."""
     layers = facts.layers
     if not len(layers) or module in ("loss", "<model>"):
         return None
+    # grad_zero_frac is present exactly when the step's detail (and so param_norm) was measured:
+    # a missing norm must not read as a NaN one.
     rows = layers[layers["name"].str.startswith(module + ".") & (layers["step"] <= step)
-                  & np.isfinite(layers["param_norm"].astype(float))]
+                  & layers["grad_zero_frac"].notna()]
     for name, g in rows.groupby("name"):
         if len(g) >= 2:
-            before, after = g.iloc[-2], g.iloc[-1]
-            if before["param_norm"] > 0 and after["param_norm"] >= WEIGHT_JUMP * before["param_norm"]:
-                return (name, float(before["param_norm"]), float(after["param_norm"]),
-                        int(before["step"]), int(after["step"]))
+            before, after = (float(g["param_norm"].iloc[i]) for i in (-2, -1))
+            if before > 0 and math.isfinite(before) and not after < WEIGHT_JUMP * before:
+                return name, before, after, int(g["step"].iloc[-2]), int(g["step"].iloc[-1])
     return None
 
 
 def jump_text(jump: tuple[str, float, float, int, int]) -> str:
     name, before, after, s0, s1 = jump
-    return f"the norm of {name} jumped {after / before:.3g}x between steps {s0:,} and {s1:,} ({num(before)} -> {num(after)})"
+    norms = f"{num(before)} -> {num(after)}"
+    if not math.isfinite(after):
+        return f"the weights of {name} became non-finite between steps {s0:,} and {s1:,} (norm {norms})"
+    return f"the norm of {name} jumped {after / before:.3g}x between steps {s0:,} and {s1:,} ({norms})"
 
 
 def origin_advice(facts: Facts, module: str, phase: str, step: int, kind: str = "inf") -> tuple[str, str]:
@@ -426,15 +431,16 @@ def origin_advice(facts: Facts, module: str, phase: str, step: int, kind: str = 
     jumped = weight_jump(facts, module, step)
     if jumped:
         return (f"; {jump_text(jumped)}",
-                f"Training did not grow {jumped[0]} that fast: it was overwritten (a bad checkpoint load, an "
-                f"in-place bug, a corrupted update). Restore it from a checkpoint before step {jumped[3]:,} and "
-                f"find what wrote it")
+                f"{jumped[0]} changed far more than training moves weights: something overwrote it (a bad "
+                f"checkpoint load, an in-place bug, a corrupted update). Restore it from a checkpoint before "
+                f"step {jumped[3]:,} and find what wrote it")
+    if phase == "loss" and not facts.info.get("localize"):
+        return "", ("Recorded with localize=False, so the loss is the first place this run sees it: record with "
+                    "localize=True to find the module where it is born, and compute the loss in fp32")
     if phase == "forward" and kind == "nan":
         return "", (f"An operation inside {module} made NaN from finite inputs (0/0, inf-inf, log or sqrt of a "
                     f"negative): guard it with an eps or compute it in fp32")
     advice = fix_for_origin(module, phase)
-    if not facts.info.get("localize"):
-        advice += "; record with localize=True to see the module where it is born"
     return "", advice[0].upper() + advice[1:]
 
 
@@ -587,22 +593,22 @@ def divergence(facts: Facts) -> list[Finding]:
             sc = tail["loss_scale"].astype(float)
             evidence += (f"; the scaler skipped {int(tail['skipped'].sum()):,} of them, scale "
                          f"{num(sc.iloc[0])} -> {num(sc.iloc[-1])}")
-        origins = facts.origins(tail["step"])
+        origins = facts.origins(tail["step"]).sort_values("first", kind="stable")  # the earliest is the cause
         if len(origins):
             extra, fix = origin_advice(facts, origins["module"].iloc[0], origins["phase"].iloc[0], onset)
             evidence += f"; born in {describe_origins(origins)}{extra}"
         else:
             fix = "Find the first non-finite value (localize=True records where it is born)"
-        return [_finding(facts, "divergence", "error", f"Training diverged at step {onset:,}: the loss is {kinds} to the end",
-                         onset, end, evidence,
+        return [_finding(facts, "divergence", "error",
+                         f"Training diverged at step {onset:,}: the loss is {kinds} to the end", onset, end, evidence,
                          f"The run does not recover by itself: restart from a checkpoint before step {onset:,}. "
                          f"{fix}.", jump=facts.jump(onset, onset, pad=20))]
     rising = _rising_loss(facts)
     if rising is None:
         return []
     onset, evidence = rising
-    return [_finding(facts, "divergence", "error", f"Training is diverging: the loss has been rising since step {onset:,}",
-                     onset, end, evidence,
+    return [_finding(facts, "divergence", "error",
+                     f"Training is diverging: the loss has been rising since step {onset:,}", onset, end, evidence,
                      "Lower the learning rate (halve it), check the learning-rate schedule at that step and "
                      "clip gradients (max_norm=1.0); resume from a checkpoint before it.")]
 
@@ -621,8 +627,9 @@ def misuse_config(facts: Facts) -> list[Finding]:
     dtype, scaler = info.get("amp_dtype"), info.get("scaler_enabled")
     if scaler and dtype == "bfloat16":
         skipped = int(facts.steps["skipped"].sum())
-        out.append(_finding(facts, "misuse-scaler-bf16", "warning", "GradScaler used with bfloat16 autocast: not needed",
-                            first, last, f"amp_dtype=bfloat16 with an enabled GradScaler; {skipped:,} step(s) skipped",
+        out.append(_finding(facts, "misuse-scaler-bf16", "warning",
+                            "GradScaler used with bfloat16 autocast: not needed", first, last,
+                            f"amp_dtype=bfloat16 with an enabled GradScaler; {skipped:,} step(s) skipped",
                             "bf16 has fp32's exponent range, so loss scaling buys nothing and costs skipped steps: "
                             "drop the scaler (loss.backward(); optimizer.step()) or GradScaler(enabled=False).",
                             jump=(first, last)))
@@ -630,7 +637,8 @@ def misuse_config(facts: Facts) -> list[Finding]:
         out.append(_finding(facts, "misuse-fp16-no-scaler", "warning", "fp16 autocast without a GradScaler",
                             first, last, "amp_dtype=float16 and no enabled GradScaler",
                             "Small gradients underflow to zero in fp16: use scaler = torch.amp.GradScaler(device); "
-                            "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update() (or bf16 autocast).",
+                            "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update() "
+                            "(or bf16 autocast).",
                             jump=(first, last)))
     if scaler and not dtype:
         out.append(_finding(facts, "misuse-scaler-no-autocast", "info", "GradScaler enabled but no autocast was seen",

@@ -107,7 +107,7 @@ def tokens(seed: int = 0):
 def record(path: Path, model: nn.Module, data, steps: int, *, dtype=torch.float16, scaler: Optional[dict] = None,
            lr: float = 0.05, adam: bool = False, fault: Optional[Callable] = None, clip: Optional[float] = None,
            clip_before_unscale: bool = False, log_norm: bool = False, step_twice_at: Optional[int] = None,
-           layer_every: int = 10) -> ampwatch.Run:
+           layer_every: int = 10, localize: bool = True) -> ampwatch.Run:
     """Train ``model`` under fp16/bf16 autocast (scaler=None: no GradScaler) and return the run.
 
     ``fault(step, model, opt, x, y) -> (x, y)`` may change the batch, the model or the optimizer."""
@@ -115,7 +115,8 @@ def record(path: Path, model: nn.Module, data, steps: int, *, dtype=torch.float1
            else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     gs = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
     config = {"max_grad_norm": clip} if clip else {}
-    with ampwatch.attach(model, opt, gs, path=str(path), config=config, layer_every=layer_every) as watch:
+    with ampwatch.attach(model, opt, gs, path=str(path), config=config, layer_every=layer_every,
+                         localize=localize) as watch:
         for step in range(steps):
             x, y, loss_fn = next(data)
             for m in model.modules():
@@ -187,6 +188,8 @@ SCENARIOS: dict[str, Callable[[Path], ampwatch.Run]] = {
     "recurring": lambda p: record(p, _outliers_at(range(30, 200, 7)), regression(), 200,
                                   scaler=dict(growth_interval=5)),
     "collapse": lambda p: record(p, _outliers_at(range(40, 60)), regression(), 120, scaler={}),
+    "collapse_unlocalized": lambda p: record(p, _outliers_at(range(40, 60)), regression(), 120, scaler={},
+                                             localize=False),
     "stuck": lambda p: record(p, mlp(), regression(), 250, scaler=dict(init_scale=2.0 ** -14, growth_interval=10 ** 6)),
     "stuck_short": lambda p: record(p, mlp(), regression(), 120, scaler=dict(init_scale=2.0 ** -14,
                                                                              growth_interval=10 ** 6)),
@@ -276,6 +279,13 @@ def test_scale_collapse_points_at_the_forward_origin(runs):
     assert "20 consecutive skipped steps (steps 40-59)" in f.evidence
     first_below = int(run.steps.loc[run.steps["loss_scale"] < 1, "step"].min())
     assert f"below 1 from step {first_below}" in f.evidence
+
+
+def test_without_localization_the_doctor_says_what_it_cannot_see(runs):
+    _, findings = runs("collapse_unlocalized")
+    collapse, origin = the(findings, "scale-collapse"), the(findings, "nonfinite-origin")
+    assert collapse.steps[0] == origin.steps[0] == 40 and "the loss" in collapse.title
+    assert "localize=True" in origin.advice and "localize=True" in collapse.advice
 
 
 def test_scale_stuck_low_and_gradient_underflow(runs):
@@ -390,6 +400,13 @@ def test_sample_diverged_names_the_origin_and_the_divergence():
     div = the(findings, "divergence")
     assert div.severity == "error" and div.steps == (last_good + 1, losses[-1][0])
     assert module in div.evidence
+    norms = _sql("diverged", f"SELECT t.name, l.step, l.param_norm FROM layers l JOIN tensors t ON t.id = l.param_id "
+                             f"WHERE t.name LIKE '{module}.%' AND l.step <= {step} ORDER BY t.name, l.step")
+    jumped = {n for n, (a, b) in ((n, [r[2] for r in norms if r[0] == n][-2:]) for n, _, _ in norms)
+              if a and b and b >= rules.WEIGHT_JUMP * a}
+    assert jumped  # the sample multiplies a weight by 1e5 at the divergence
+    for name in jumped:  # ... and the doctor must say it was overwritten
+        assert f"the norm of {name} jumped" in origin.evidence and "overwrote" in origin.advice
     assert findings[0].severity == "error" and findings[0].id == "nonfinite-origin"  # root cause first
 
 
