@@ -1,0 +1,170 @@
+"""Pure Plotly builders for the dashboard: data in, ``go.Figure`` out (no Streamlit, no torch).
+
+Inputs are the plain structures of :mod:`ampwatch.dashdata`. Every figure sets ``uirevision`` so a
+live refresh keeps the user's zoom (issue 4: "without losing its place").
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+SKIP_COLOR = "#d62728"
+GROWTH_COLOR = "#2ca02c"
+NONFINITE_COLOR = "#000000"
+OVERVIEW_ROWS = ("loss", "loss scale", "grad norm", "learning rate")
+
+
+def _log2_ticks(values: pd.Series) -> dict[str, Any]:
+    """Tick every power of two (labelled 2^k) on a log axis: loss scales are powers of two."""
+    v = values[np.isfinite(values) & (values > 0)]
+    if v.empty:
+        return {}
+    lo, hi = math.floor(math.log2(v.min())), math.ceil(math.log2(v.max()))
+    step = max(1, math.ceil((hi - lo + 1) / 12))
+    ks = list(range(lo, hi + 1, step))
+    return {"tickvals": [2.0 ** k for k in ks], "ticktext": [f"2^{k}" for k in ks]}
+
+
+def _marker_y(steps: pd.DataFrame, col: str, at: np.ndarray, log: bool) -> np.ndarray:
+    """y for a marker at steps ``at``: the series' value there, or the bottom of the plotted range."""
+    values = steps.set_index("step")[col].reindex(at).to_numpy(dtype=float)
+    finite = steps[col][np.isfinite(steps[col]) & ((steps[col] > 0) if log else True)]
+    floor = float(finite.min()) if len(finite) else 1.0
+    ok = np.isfinite(values) & ((values > 0) if log else True)
+    return np.where(ok, values, floor)
+
+
+def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Figure:
+    """Loss, loss scale (log2), grad norm (log) and lr on one shared step axis.
+
+    Skipped steps are red crosses on the loss; non-finite steps black diamonds; scale backoffs and
+    growths are red/green triangles; the clip threshold (config ``max_grad_norm``) a dashed line.
+    """
+    s = ov.steps
+    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.03,
+                        row_heights=[0.34, 0.22, 0.26, 0.18], subplot_titles=OVERVIEW_ROWS)
+    fig.add_trace(go.Scatter(x=s["step"], y=s["loss"], name="loss", mode="lines", line={"width": 1}), 1, 1)
+    if len(ov.skipped_steps):
+        fig.add_trace(go.Scatter(x=ov.skipped_steps, y=_marker_y(s, "loss", ov.skipped_steps, log_loss),
+                                 name=f"skipped step ({len(ov.skipped_steps)})", mode="markers",
+                                 marker={"symbol": "x", "color": SKIP_COLOR, "size": 7}), 1, 1)
+    if len(ov.nonfinite_steps):
+        fig.add_trace(go.Scatter(x=ov.nonfinite_steps, y=_marker_y(s, "loss", ov.nonfinite_steps, log_loss),
+                                 name=f"NaN/inf step ({len(ov.nonfinite_steps)})", mode="markers",
+                                 marker={"symbol": "diamond", "color": NONFINITE_COLOR, "size": 8}), 1, 1)
+    _scale_traces(fig, s, ov.scale_changes)
+    fig.add_trace(go.Scatter(x=s["step"], y=s["grad_norm"], name="grad norm (unscaled, pre-clip)",
+                             mode="lines", line={"width": 1}), 3, 1)
+    if ov.clip_threshold is not None:
+        fig.add_hline(y=ov.clip_threshold, line={"dash": "dash", "color": "#7f7f7f"}, row=3, col=1,
+                      annotation_text=f"clip {ov.clip_threshold:g}", annotation_position="top left")
+    fig.add_trace(go.Scatter(x=s["step"], y=s["lr"], name="lr", mode="lines", line={"width": 1}), 4, 1)
+    fig.update_yaxes(type="log" if log_loss else "linear", row=1, col=1)
+    fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(s["loss_scale"]))
+    fig.update_yaxes(type="log", row=3, col=1)
+    fig.update_xaxes(title_text="step", row=4, col=1)
+    fig.update_layout(height=height, hovermode="x unified", uirevision=str(getattr(ov, "first", "")),
+                      margin={"l": 60, "r": 20, "t": 40, "b": 40}, legend={"orientation": "h", "y": -0.08})
+    return fig
+
+
+def _scale_traces(fig: go.Figure, s: pd.DataFrame, changes: pd.DataFrame) -> None:
+    if s["loss_scale"].notna().any():
+        fig.add_trace(go.Scatter(x=s["step"], y=s["loss_scale"], name="loss scale", mode="lines",
+                                 line={"shape": "hv", "width": 1}), 2, 1)
+    for kind, symbol, color in (("backoff", "triangle-down", SKIP_COLOR), ("growth", "triangle-up", GROWTH_COLOR)):
+        ev = changes[changes["kind"] == kind] if len(changes) else changes
+        if len(ev):
+            fig.add_trace(go.Scatter(x=ev["step"], y=ev["loss_scale"], name=f"scale {kind} ({len(ev)})",
+                                     mode="markers", marker={"symbol": symbol, "color": color, "size": 8}), 2, 1)
+
+
+def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = None) -> go.Figure:
+    """Layers x steps heatmap of one metric (log10 colour by default); non-finite cells as black x."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(grid.values > 0, np.log10(grid.values), np.nan) if log_color else grid.values
+    label = f"log10 {grid.metric}" if log_color else grid.metric
+    hover = "step %{x}<br>%{y}<br>" + label + " %{z:.3g}<extra></extra>"
+    if grid.width > 1:
+        hover = f"steps %{{x}}..+{grid.width - 1}<br>%{{y}}<br>max {label} %{{z:.3g}}<extra></extra>"
+    fig = go.Figure(go.Heatmap(z=z, x=grid.bucket_starts, y=grid.names, colorscale="Viridis",
+                               colorbar={"title": label}, hovertemplate=hover, hoverongaps=False))
+    rows, cols = np.nonzero(grid.nonfinite)
+    if len(rows):
+        fig.add_trace(go.Scatter(x=grid.bucket_starts[cols], y=[grid.names[r] for r in rows], mode="markers",
+                                 name=f"NaN/inf gradient ({len(rows)} cells)",
+                                 marker={"symbol": "x", "color": NONFINITE_COLOR, "size": 9}))
+    fig.update_layout(height=height or max(320, 14 * len(grid.names) + 120), xaxis_title="step",
+                      yaxis={"autorange": "reversed", "type": "category"}, uirevision=grid.metric,
+                      margin={"l": 160, "r": 20, "t": 30, "b": 40}, legend={"orientation": "h", "y": 1.05})
+    return fig
+
+
+def headroom_figure(df: pd.DataFrame, warn_factor: float = 4.0) -> go.Figure:
+    """Max |value| per module and phase against the dtype limit (log x); modules within
+    ``warn_factor`` of the limit are red."""
+    fig = go.Figure()
+    for phase, dash in (("forward", None), ("backward", None)):
+        d = df[df["phase"] == phase]
+        if d.empty:
+            continue
+        colors = np.where(d["headroom"] <= warn_factor, SKIP_COLOR, "#1f77b4" if phase == "forward" else "#9467bd")
+        fig.add_trace(go.Bar(x=d["amax"], y=d["module"], orientation="h", name=f"{phase} max |value|",
+                             marker={"color": colors}, customdata=d["headroom"],
+                             hovertemplate="%{y}<br>max |value| %{x:.3g}<br>headroom x%{customdata:.3g}"
+                                           "<extra>" + phase + "</extra>"))
+    if len(df):
+        limit = float(df["limit"].iloc[0])
+        fig.add_vline(x=limit, line={"dash": "dash", "color": SKIP_COLOR},
+                      annotation_text=f"dtype max {limit:.6g}", annotation_position="top")
+    fig.update_layout(barmode="group", xaxis={"type": "log", "title": "max |value| (backward: scaled grad)"},
+                      yaxis={"autorange": "reversed", "type": "category"},
+                      height=max(320, 16 * df["module"].nunique() + 120) if len(df) else 320,
+                      margin={"l": 160, "r": 20, "t": 30, "b": 40}, legend={"orientation": "h", "y": 1.05})
+    return fig
+
+
+def zero_grad_figure(df: pd.DataFrame) -> go.Figure:
+    """Mean (bar) and max (marker) fraction of exactly-zero gradient elements per layer."""
+    fig = go.Figure(go.Bar(x=df["zero_frac_mean"], y=df["layer"], orientation="h", name="mean zero fraction"))
+    fig.add_trace(go.Scatter(x=df["zero_frac_max"], y=df["layer"], mode="markers", name="max zero fraction",
+                             marker={"symbol": "line-ns-open", "size": 12, "color": SKIP_COLOR}))
+    fig.update_layout(xaxis={"title": "fraction of gradient elements exactly 0", "range": [0, 1]},
+                      yaxis={"autorange": "reversed", "type": "category"},
+                      height=max(320, 14 * len(df) + 120), margin={"l": 160, "r": 20, "t": 30, "b": 40},
+                      legend={"orientation": "h", "y": 1.05})
+    return fig
+
+
+def compare_figure(runs: Mapping[str, Any], skip_rates: Mapping[str, pd.DataFrame],
+                   log_loss: bool = True) -> go.Figure:
+    """Several runs overlaid: loss, loss scale, grad norm and skip rate on one shared step axis."""
+    titles = ("loss", "loss scale", "grad norm", "skip rate (fraction of steps skipped)")
+    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.04, subplot_titles=titles)
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    for i, (name, ov) in enumerate(runs.items()):
+        color = palette[i % len(palette)]
+        s = ov.steps
+        for row, col in ((1, "loss"), (2, "loss_scale"), (3, "grad_norm")):
+            fig.add_trace(go.Scatter(x=s["step"], y=s[col], name=name, legendgroup=name, showlegend=row == 1,
+                                     mode="lines", line={"color": color, "width": 1,
+                                                         "shape": "hv" if col == "loss_scale" else "linear"}),
+                          row, 1)
+        rate = skip_rates.get(name)
+        if rate is not None and len(rate):
+            fig.add_trace(go.Scatter(x=rate["step"], y=rate["rate"], name=name, legendgroup=name, showlegend=False,
+                                     mode="lines", line={"color": color, "shape": "hv"}), 4, 1)
+    all_scales = pd.concat([ov.steps["loss_scale"] for ov in runs.values()]) if runs else pd.Series(dtype=float)
+    fig.update_yaxes(type="log" if log_loss else "linear", row=1, col=1)
+    fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(all_scales))
+    fig.update_yaxes(type="log", row=3, col=1)
+    fig.update_yaxes(range=[0, 1], row=4, col=1)
+    fig.update_xaxes(title_text="step", row=4, col=1)
+    fig.update_layout(height=820, hovermode="x unified", uirevision="compare",
+                      margin={"l": 60, "r": 20, "t": 40, "b": 40}, legend={"orientation": "h", "y": -0.06})
+    return fig

@@ -1,0 +1,52 @@
+"""Compare: two or more runs overlaid on one step axis (loss, scale, grad norm, skip rate)."""
+import pandas as pd
+import streamlit as st
+
+import shared
+from ampwatch import figures
+
+st.title("Compare runs")
+folder = st.session_state.get("_folder")
+if folder is None or st.session_state.get("_run") is None:
+    shared.require_run()
+    st.stop()
+table = shared.guarded(shared.runs_table, str(folder), shared.folder_stamp(folder))
+if table is None:
+    st.stop()
+runs, unreadable = table
+files = runs["file"].tolist() if len(runs) else []
+if len(files) < 2:
+    st.info("Compare needs at least two readable runs in the folder.")
+    st.stop()
+wanted = [f for f in st.session_state.get("compare") or [] if f in files]
+if len(wanted) < 2:
+    wanted = files[: min(4, len(files))]
+if "compare_pick" not in st.session_state or not set(st.session_state["compare_pick"]) <= set(files):
+    st.session_state["compare_pick"] = wanted
+picked = st.multiselect("Runs", files, key="compare_pick")
+if len(picked) < 2:
+    st.info("Pick at least two runs.")
+    st.stop()
+
+overviews, rates, rows = {}, {}, []
+for name in picked:
+    path = shared.safe_run_path(folder, name)
+    if path is None:
+        continue
+    key = shared.stamp(path)
+    ov = shared.guarded(shared.overview, str(path), key, path=path)
+    rate = shared.guarded(shared.skip_rate, str(path), key, path=path)
+    if ov is None or rate is None:
+        continue
+    label = name.rsplit(".", 1)[0]
+    overviews[label], rates[label] = ov, rate
+    rows.append(ov.steps.assign(run=label))
+if not overviews:
+    st.stop()
+log_loss = st.toggle("log loss axis", value=True, key="compare_log")
+st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), width="stretch",
+                key="compare_chart")
+summary = runs[runs["file"].isin(picked)][["name", "status", "steps", "skipped", "skipped_pct", "final_scale",
+                                           "first_nonfinite_step", "last_loss"]]
+st.dataframe(summary, hide_index=True, key="compare_table")
+shared.download(pd.concat(rows, ignore_index=True), "compare_steps.csv", "Download shown steps (CSV)")

@@ -1,0 +1,57 @@
+"""Layers: per-layer gradient heatmap, fp16 headroom per module, zero-gradient fraction per layer."""
+import streamlit as st
+
+import shared
+from ampwatch import figures
+from ampwatch.dashdata import LAYER_METRICS, grid_frame
+
+path = shared.require_run()
+if path is None:
+    st.stop()
+key = shared.stamp(path)
+row = shared.guarded(shared.run_row, str(path), key, path=path)
+if row is None:
+    st.stop()
+st.title(f"Layers · {row['name']}")
+if not row["steps"]:
+    st.info("This run has no steps yet.")
+    st.stop()
+start, end = shared.step_range(path, row["first_step"], row["last_step"])
+view = st.segmented_control("View", ["Gradient heatmap", "fp16 headroom", "Zero gradients"],
+                            default="Gradient heatmap", key="layers_view") or "Gradient heatmap"
+
+if view == "Gradient heatmap":
+    metric = st.selectbox("Figure", LAYER_METRICS, key="layers_metric")
+    grid = shared.guarded(shared.heatmap, str(path), key, metric, start, end, path=path)
+    if grid is None:
+        st.stop()
+    if grid.values.size == 0:
+        st.info("No per-layer rows in this range (they are written every `layer_every` steps and on bad steps).")
+        st.stop()
+    log = st.toggle("log colour scale", value=metric != "grad_zero_frac", key="layers_log")
+    st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
+    st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {grid.width:,} step(s): "
+               f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf gradient (black x).")
+    table = grid_frame(grid)
+    shared.download(table, f"{path.stem}_{metric}_heatmap.csv")
+elif view == "fp16 headroom":
+    df = shared.guarded(shared.headroom, str(path), key, start, end, path=path)
+    if df is None:
+        st.stop()
+    if df.empty:
+        st.info("No per-module rows: the run was recorded with localize=False, or has no detail steps yet.")
+        st.stop()
+    near = df[df["headroom"] <= 4]
+    if len(near):
+        st.warning(f"{len(near)} module/phase pairs came within 4x of the {df['limit'].iloc[0]:.6g} limit: "
+                   + ", ".join(f"{m} ({p})" for m, p in near[["module", "phase"]].head(8).itertuples(index=False)))
+    st.plotly_chart(figures.headroom_figure(df), width="stretch", key="headroom")
+    st.dataframe(df, hide_index=True, key="headroom_table")
+    shared.download(df, f"{path.stem}_headroom.csv")
+else:
+    df = shared.guarded(shared.zero_grads, str(path), key, start, end, path=path)
+    if df is None:
+        st.stop()
+    st.plotly_chart(figures.zero_grad_figure(df), width="stretch", key="zero_grads")
+    st.dataframe(df, hide_index=True, key="zero_table")
+    shared.download(df, f"{path.stem}_zero_grads.csv")

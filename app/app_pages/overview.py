@@ -1,0 +1,55 @@
+"""Run overview: the doctor's findings, headline figures, then loss/scale/grad norm/lr on one step axis."""
+import math
+
+import streamlit as st
+
+import shared
+from ampwatch import figures
+
+path = shared.require_run()
+if path is None:
+    st.stop()
+key = shared.stamp(path)
+row = shared.guarded(shared.run_row, str(path), key, path=path)
+if row is None:
+    st.stop()
+st.title(f"{row['name']}")
+st.caption(f"`{path.name}` · {row['status']} · {row['amp_dtype'] or 'no autocast dtype recorded'}")
+if not row["steps"]:
+    st.info("This run has no steps yet: nothing to draw. A live run shows steps after its first flush (~1 s).")
+    st.stop()
+
+found = shared.guarded(shared.findings, str(path), key, path=path) or []
+if found:
+    st.subheader("Findings")
+for i, f in enumerate(found):
+    box = st.container(border=True)
+    box.markdown(f"{shared.SEVERITY_ICON.get(f['severity'], '')} **{f['title']}** "
+                 f"· steps {f['steps'][0]}–{f['steps'][1]}")
+    box.markdown(f"{f['evidence']}  \n**Fix:** {f['advice']}")
+    box.button(f"Show steps {f['jump'][0]}–{f['jump'][1]}", key=f"finding:{i}", on_click=shared.jump_to,
+               args=(path, f["jump"][0], f["jump"][1], f["steps"][0]))
+
+start, end = shared.step_range(path, row["first_step"], row["last_step"])
+ov = shared.guarded(shared.overview, str(path), key, start, end, path=path)
+if ov is None:
+    st.stop()
+
+
+def _fmt(x, spec="{:.4g}"):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
+
+
+m = st.columns(5)
+m[0].metric("steps", f"{row['steps']:,}")
+m[1].metric("skipped", f"{row['skipped']:,}", f"{row['skipped_pct']:.1f}%", delta_color="off")
+m[2].metric("final loss scale", _fmt(row["final_scale"], "{:g}"))
+m[3].metric("first NaN/inf step", _fmt(row["first_nonfinite_step"], "{}"))
+m[4].metric("last loss", _fmt(row["last_loss"]))
+if ov.steps["loss"].notna().sum() == 0:
+    st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")
+log_loss = st.toggle("log loss axis", value=True, key="log_loss")
+st.plotly_chart(figures.overview_figure(ov, log_loss=log_loss), width="stretch", key="overview_chart")
+drawn = f"every step" if ov.bucket == 1 else f"min/max per {ov.bucket:,} steps + every skip and NaN"
+st.caption(f"Steps {ov.first:,}–{ov.last:,}, {len(ov.steps):,} points drawn ({drawn}).")
+shared.download(ov.steps, f"{path.stem}_steps_{ov.first}-{ov.last}.csv", "Download shown steps (CSV)")

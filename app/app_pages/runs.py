@@ -1,0 +1,51 @@
+"""Runs: every run in the folder, filterable; pick one (or several to compare)."""
+import streamlit as st
+
+import shared
+
+st.title("Runs")
+folder = st.session_state.get("_folder")
+if folder is None:
+    shared.require_run()
+    st.stop()
+table = shared.guarded(shared.runs_table, str(folder), shared.folder_stamp(folder))
+if table is None:
+    st.stop()
+runs, unreadable = table
+st.caption(f"Folder: `{folder}`")
+for name, reason in unreadable:
+    st.warning(f"**{name}** cannot be read: {reason}")
+if runs.empty:
+    st.info("No readable runs here. Record one with `ampwatch.attach(...)` or run `ampwatch demo`.")
+    st.stop()
+
+query = st.text_input("Filter by name", key="runs_filter", placeholder="e.g. fp16")
+shown = runs[runs["name"].str.contains(query, case=False, regex=False)] if query else runs
+columns = ["name", "status", "steps", "skipped_pct", "final_scale", "first_nonfinite_step", "last_loss",
+           "started", "amp_dtype", "file"]
+
+
+def _pick() -> None:
+    rows = st.session_state["runs_table"].selection.rows
+    files = shown["file"].iloc[rows].tolist()
+    if files:
+        st.session_state["run"] = files[0]
+        st.query_params["run"] = files[0]
+        st.session_state["compare"] = files
+
+
+st.dataframe(shown[columns], key="runs_table", on_select=_pick, selection_mode="multi-row", hide_index=True,
+             column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
+                            "final_scale": st.column_config.NumberColumn("final loss scale", format="%g"),
+                            "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step"),
+                            "last_loss": st.column_config.NumberColumn("last loss", format="%.4g"),
+                            "started": st.column_config.DatetimeColumn("started (UTC)")})
+st.caption("Select rows to open a run (the first) or compare several; the sidebar shows the open run.")
+picked = st.session_state.get("compare") or []
+if picked:
+    cols = st.columns(3)
+    cols[0].page_link("app_pages/overview.py", label=f"Open {picked[0]}", icon=":material/show_chart:")
+    if len(picked) > 1:
+        cols[1].page_link("app_pages/compare.py", label=f"Compare {len(picked)} runs",
+                          icon=":material/stacked_line_chart:")
+shared.download(shown[columns], "runs.csv")

@@ -1,0 +1,248 @@
+"""What every page shares: the runs folder, the chosen run, the step range, and cached data access.
+
+The runs folder is chosen in one place (:func:`default_folder`): AMPWATCH_RUNS if set, else
+``sample_runs/`` under the working directory; the sidebar can change it. Run names from the sidebar
+or the URL (``?run=name.sqlite``) are resolved inside that folder only (:func:`safe_run_path`).
+Cached loaders are keyed on the file's (path, mtime, size) plus its WAL's, so a live run reloads.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import streamlit as st
+
+from ampwatch import dashdata
+from ampwatch.errors import RunError
+from ampwatch.reader import RUN_SUFFIXES
+
+SEVERITY_ICON = {"error": ":material/error:", "warning": ":material/warning:", "info": ":material/info:"}
+
+
+# -- folder and run choice --------------------------------------------------------------------------
+
+def default_folder() -> str:
+    """The rule, in one place: $AMPWATCH_RUNS, else ./sample_runs (then the sidebar may override)."""
+    return os.environ.get("AMPWATCH_RUNS") or "sample_runs"
+
+
+def safe_run_path(folder: Any, name: Any) -> Optional[Path]:
+    """``folder/name`` if it is a run file directly inside ``folder``; None for anything else
+    (``../x``, absolute paths, symlinks out of the folder, sub-folders, other suffixes)."""
+    if not name or not isinstance(name, str):
+        return None
+    root = Path(folder).resolve()
+    candidate = (root / name).resolve()
+    if not candidate.is_relative_to(root) or candidate.parent != root:
+        return None
+    if candidate.suffix not in RUN_SUFFIXES or not candidate.is_file():
+        return None
+    return candidate
+
+
+def stamp(path: Path) -> tuple:
+    """(mtime, size) of the file and of its WAL: a live run's new rows land in the WAL first."""
+    out: list = []
+    for p in (path, Path(f"{path}-wal")):
+        try:
+            st_ = p.stat()
+            out += [st_.st_mtime_ns, st_.st_size]
+        except OSError:
+            out += [0, 0]
+    return tuple(out)
+
+
+def folder_stamp(folder: Path) -> tuple:
+    try:
+        return tuple(sorted((f.name,) + stamp(f) for f in folder.iterdir() if f.suffix in RUN_SUFFIXES))
+    except OSError:
+        return ()
+
+
+def sidebar() -> tuple[Optional[Path], Optional[Path]]:
+    """Render the folder and run pickers; returns (folder, run path) — either may be None."""
+    st.sidebar.text_input("Runs folder", value=default_folder(), key="folder",
+                          help="A folder of .sqlite run files. Default: $AMPWATCH_RUNS, else sample_runs/.")
+    folder = Path(st.session_state["folder"]).expanduser()
+    if not folder.is_dir():
+        return None, None
+    names = [f.name for f in sorted(folder.iterdir()) if f.is_file() and f.suffix in RUN_SUFFIXES]
+    if not names:
+        return folder, None
+    wanted = st.query_params.get("run")
+    if st.session_state.get("run") not in names:
+        st.session_state["run"] = wanted if wanted in names else names[0]
+    st.sidebar.selectbox("Run", names, key="run", on_change=_run_to_url)
+    path = safe_run_path(folder, st.session_state["run"])
+    if path is not None and st.query_params.get("run") != path.name:
+        st.query_params["run"] = path.name
+    return folder, path
+
+
+def _run_to_url() -> None:
+    st.query_params["run"] = st.session_state["run"]
+
+
+def require_run() -> Optional[Path]:
+    """The chosen run's path, or a clear message in the page (and None)."""
+    folder, path = st.session_state.get("_folder"), st.session_state.get("_run")
+    if folder is None:
+        st.error(f"Runs folder {st.session_state.get('folder', default_folder())!r} does not exist. "
+                 "Type an existing folder of .sqlite runs in the sidebar (or set AMPWATCH_RUNS).")
+        return None
+    if path is None:
+        st.info(f"No runs in {str(folder)!r} yet. Record one with `ampwatch.attach(..., path='{folder}/x.sqlite')` "
+                "or run `ampwatch demo`.")
+        return None
+    return path
+
+
+def report(exc: Exception, path: Optional[Path] = None) -> None:
+    """One clear line for a run that cannot be shown (never a traceback)."""
+    where = f" ({path.name})" if path is not None else ""
+    st.error(f"Cannot show this run{where}: {exc}")
+
+
+def guarded(fn: Callable, *args: Any, path: Optional[Path] = None, **kwargs: Any) -> Any:
+    """Call a loader; on a bad file show one line and return None."""
+    try:
+        return fn(*args, **kwargs)
+    except RunError as exc:
+        report(exc, path)
+    except Exception as exc:  # corrupt files surface as many sqlite/pandas errors: still one line
+        report(RunError(f"{type(exc).__name__}: {exc}"), path)
+    return None
+
+
+# -- step range (shared by the charts; findings and events jump it) ----------------------------------
+# The truth lives in plain session keys ("_range:<file>", "_inspect"): Streamlit forgets a widget's
+# state on a page that does not draw it, and the place must survive moving between pages.
+
+def jump_to(path: Path, start: int, end: int, inspect: Optional[int] = None) -> None:
+    """Callback: move the charts to [start, end] (and the step inspector to ``inspect``)."""
+    st.session_state[f"_range:{path.name}"] = (int(start), int(end))
+    if inspect is not None:
+        st.session_state["_inspect"] = int(inspect)
+
+
+def _keep(src: str, widget: str) -> None:
+    st.session_state[src] = st.session_state[widget]
+
+
+def step_range(path: Path, first: int, last: int) -> tuple[int, int]:
+    """The sidebar's step-range slider for this run (whole run by default); returns (start, end)."""
+    if last <= first:
+        return first, last
+    src, widget = f"_range:{path.name}", f"range:{path.name}"
+    lo, hi = st.session_state.get(src, (first, last))
+    lo, hi = max(first, min(int(lo), last)), max(first, min(int(hi), last))
+    st.session_state[src] = st.session_state[widget] = (min(lo, hi), max(lo, hi))
+    st.sidebar.slider("Steps", first, last, key=widget, on_change=_keep, args=(src, widget),
+                      help="Zoom every chart to this step range")
+    st.sidebar.button("Whole run", on_click=jump_to, args=(path, first, last), key=f"whole:{path.name}")
+    return st.session_state[src]
+
+
+def inspect_step(first: int, last: int, default: int) -> int:
+    """The step inspector's step (kept across pages; events and findings set it)."""
+    step = st.session_state.get("_inspect")
+    if step is None or not first <= int(step) <= last:
+        step = default
+    st.session_state["_inspect"] = st.session_state["inspect_step"] = int(step)
+    st.number_input("Step", min_value=first, max_value=last, step=1, key="inspect_step",
+                    on_change=_keep, args=("_inspect", "inspect_step"))
+    return int(st.session_state["_inspect"])
+
+
+def download(df: pd.DataFrame, name: str, label: str = "Download CSV") -> None:
+    st.download_button(label, df.to_csv(index=False).encode(), file_name=name, mime="text/csv",
+                       key=f"dl:{name}")
+
+
+# -- cached data (keyed on the file's stamp; returns pickled copies, never connections) --------------
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def runs_table(folder: str, key: tuple) -> tuple[pd.DataFrame, list]:
+    return dashdata.runs_table(folder)
+
+
+@st.cache_data(show_spinner="Reading steps...", max_entries=64)
+def overview(path: str, key: tuple, start: Optional[int] = None, end: Optional[int] = None):
+    return dashdata.overview_data(path, start, end)
+
+
+@st.cache_data(show_spinner="Reading layers...", max_entries=32)
+def heatmap(path: str, key: tuple, metric: str, start: Optional[int], end: Optional[int]):
+    return dashdata.layer_heatmap(path, metric, start, end)
+
+
+@st.cache_data(show_spinner="Reading modules...", max_entries=32)
+def headroom(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
+    return dashdata.module_headroom(path, start, end)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def zero_grads(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
+    return dashdata.zero_grad_fraction(path, start, end)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def events(path: str, key: tuple) -> pd.DataFrame:
+    return dashdata.events(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def step_detail(path: str, key: tuple, step: int) -> dict:
+    return dashdata.step_detail(path, step)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def run_row(path: str, key: tuple) -> dict:
+    return dashdata.run_row(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def skip_rate(path: str, key: tuple) -> pd.DataFrame:
+    return dashdata.skip_rate(path)
+
+
+@st.cache_data(show_spinner="Running the doctor...", max_entries=64)
+def findings(path: str, key: tuple) -> list[dict]:
+    """The doctor's findings as dicts; [] while ampwatch.doctor is not available."""
+    import ampwatch
+    try:
+        found = ampwatch.diagnose(ampwatch.load(path))
+    except (ImportError, AttributeError):
+        return []
+    return [f.to_dict() if hasattr(f, "to_dict") else dict(vars(f)) for f in found]
+
+
+def show_step(path: Path, key: tuple, step: int) -> None:
+    """Every recorded figure at ``step``: the step row, events, layers, modules, metrics (sortable)."""
+    detail = guarded(step_detail, str(path), key, step, path=path)
+    if detail is None:
+        return
+    st.subheader(f"Step {step}")
+    if detail["step"].empty:
+        st.info(f"Step {step} was not recorded in this run.")
+        return
+    st.dataframe(detail["step"], hide_index=True, key="step_row")
+    if len(detail["events"]):
+        st.markdown("**NaN/Inf events** (origin first)")
+        st.dataframe(detail["events"], hide_index=True, key="step_events")
+    if detail["layers"].empty:
+        near = detail["layer_step_at_or_before"]
+        st.info(f"No per-layer rows at step {step}: they are written every `layer_every` steps and on skipped "
+                "or non-finite steps" + (f"; the nearest earlier one is step {near}." if near is not None else "."))
+    else:
+        st.markdown("**Per layer** (click a header to sort)")
+        st.dataframe(detail["layers"], hide_index=True, key="step_layers")
+        download(detail["layers"], f"{path.stem}_step{step}_layers.csv", "Download layers (CSV)")
+    if len(detail["modules"]):
+        st.markdown("**Per module** (max |value|; backward is the scaled gradient)")
+        st.dataframe(detail["modules"], hide_index=True, key="step_modules")
+    if len(detail["metrics"]):
+        st.markdown("**Logged metrics**")
+        st.dataframe(detail["metrics"], hide_index=True, key="step_metrics")

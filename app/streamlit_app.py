@@ -1,0 +1,22 @@
+"""ampwatch dashboard: `streamlit run app` from the repository root (issue 4). Router only."""
+from pathlib import Path
+
+import streamlit as st
+
+import shared
+
+st.set_page_config(page_title="ampwatch", page_icon=":material/monitoring:", layout="wide")
+
+PAGES = Path(__file__).resolve().parent / "app_pages"
+pages = [
+    st.Page(PAGES / "runs.py", title="Runs", icon=":material/table:", default=True),
+    st.Page(PAGES / "overview.py", title="Run overview", icon=":material/show_chart:"),
+    st.Page(PAGES / "layers.py", title="Layers", icon=":material/grid_on:"),
+    st.Page(PAGES / "events.py", title="Events", icon=":material/bolt:"),
+    st.Page(PAGES / "inspector.py", title="Step inspector", icon=":material/search:"),
+    st.Page(PAGES / "compare.py", title="Compare", icon=":material/stacked_line_chart:"),
+    st.Page(PAGES / "live.py", title="Live", icon=":material/autorenew:"),
+]
+nav = st.navigation(pages)
+st.session_state["_folder"], st.session_state["_run"] = shared.sidebar()
+nav.run()

@@ -1,0 +1,254 @@
+"""Dashboard data access against SQLite read directly: downsampling never hides a spike, NaN or skip."""
+from __future__ import annotations
+
+import hashlib
+import math
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ampwatch import dashdata
+from ampwatch.errors import RunError
+from ampwatch.schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from ampwatch.writer import _INSERTS, create_run_file
+
+SAMPLES = sorted(Path(__file__).resolve().parent.parent.glob("sample_runs/*.sqlite"))
+
+
+def _sql(path: Path, query: str, params: tuple = ()) -> pd.DataFrame:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return pd.read_sql_query(query, conn, params=params)
+    finally:
+        conn.close()
+
+
+def _truth_steps(path: Path) -> pd.DataFrame:
+    df = _sql(path, "SELECT * FROM steps ORDER BY step")
+    for col, bit in STEP_NAN_BITS.items():
+        df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, math.nan)
+    df["nonfinite"] = ~np.isfinite(df["loss"].fillna(0)) | ~np.isfinite(df["grad_norm"].fillna(0)) \
+        | ((df["nan_mask"] & 3) != 0)
+    return df
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    """A real fp16 TinyGPT run: warm-up skips, then a burst of forward overflow (skips, NaN/inf events)."""
+    from ampwatch import demo
+    path = tmp_path_factory.mktemp("real") / "burst.sqlite"
+    demo.train(path, 80, init_scale=2.0 ** 24, growth_interval=10, layer_every=5,
+               fault=demo._activation_burst("h.0.mlp.fc", 40, 46, 1e5))
+    return path
+
+
+def _synthetic(path: Path, steps: int, *, params: int = 0, layer_every: int = 20, spike: int = -1,
+               nan_step: int = -1, skip_step: int = -1, layer_spike: tuple = (), layer_nan: tuple = ()) -> Path:
+    """A run with the real schema (create_run_file) and rows written fast with executemany."""
+    tensors = [{"id": i, "kind": "param", "name": f"layer{i}.weight", "type": "float32", "numel": 100,
+                "trainable": 1} for i in range(params)]
+    create_run_file(str(path), {"name": path.stem, "status": "finished", "started_at": time.time(),
+                                "amp_dtype": "float16", "layer_every": layer_every, "schema_version": 1,
+                                "config": {"max_grad_norm": 2.0}}, tensors)
+    rng = np.random.default_rng(0)
+    s = np.arange(steps)
+    loss = (1.0 + 0.1 * rng.random(steps)).tolist()
+    mask = [0] * steps
+    skipped = [0] * steps
+    if spike >= 0:
+        loss[spike] = 1e6
+    if nan_step >= 0:
+        loss[nan_step], mask[nan_step], skipped[nan_step] = None, STEP_NAN_BITS["loss"], 1
+    if skip_step >= 0:
+        skipped[skip_step] = 1
+    rows = list(zip(s.tolist(), s.tolist(), [0.1] * steps, loss, [65536.0] * steps, skipped,
+                    (1 + rng.random(steps)).tolist(), [1e-3] * steps, [1] * steps, mask))
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.executemany(_INSERTS["steps"], rows)
+        if params:
+            ls = np.arange(0, steps, layer_every)
+            step_col, pid = np.repeat(ls, params), np.tile(np.arange(params), len(ls))
+            norm = rng.random(len(step_col)).tolist()
+            lmask = [0] * len(norm)
+            for st_, p_, v in layer_spike:
+                norm[int(np.flatnonzero((step_col == st_) & (pid == p_))[0])] = v
+            for st_, p_ in layer_nan:
+                i = int(np.flatnonzero((step_col == st_) & (pid == p_))[0])
+                norm[i], lmask[i] = None, LAYER_NAN_BITS["grad_norm"]
+            conn.executemany(_INSERTS["layers"], zip(pid.tolist(), step_col.tolist(), norm, norm, norm,
+                                                     [0] * len(norm), [0.25] * len(norm), lmask))
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def million(tmp_path_factory) -> Path:
+    """1,000,000 steps with one loss spike, one NaN step and one lone skipped step."""
+    return _synthetic(tmp_path_factory.mktemp("big") / "million.sqlite", 1_000_000,
+                      spike=654_321, nan_step=400_003, skip_step=777_777)
+
+
+def test_million_steps_keep_the_spike_the_nan_and_the_skip(million):
+    ov = dashdata.overview_data(million)
+    s = ov.steps
+    assert ov.bucket > 1 and len(s) < 20 * dashdata.STEP_BUCKETS  # really downsampled
+    assert s.loc[s["loss"].idxmax(), "step"] == 654_321 and s["loss"].max() == 1e6
+    assert list(ov.nonfinite_steps) == [400_003]
+    assert list(ov.skipped_steps) == [400_003, 777_777]
+    truth = _sql(million, "SELECT MIN(loss) lo, MAX(grad_norm) gmax, MIN(grad_norm) gmin FROM steps").iloc[0]
+    assert s["loss"].min() == truth["lo"] and s["grad_norm"].max() == truth["gmax"]
+    assert s["grad_norm"].min() == truth["gmin"]
+    assert s["step"].iloc[0] == 0 and s["step"].iloc[-1] == 999_999
+
+
+def test_zoomed_range_is_exact(million):
+    ov = dashdata.overview_data(million, 654_000, 654_500)
+    assert ov.bucket == 1 and list(ov.steps["step"]) == list(range(654_000, 654_501))
+
+
+def test_real_run_downsampled_keeps_extremes_nans_and_skips(real_run):
+    truth = _truth_steps(real_run)
+    ov = dashdata.overview_data(real_run, buckets=8)  # 80 steps in 8 buckets: forces downsampling
+    assert ov.bucket == 10
+    s = ov.steps.set_index("step")
+    assert set(truth["step"][truth["skipped"] == 1]) == set(ov.skipped_steps) <= set(s.index)
+    assert set(truth["step"][truth["nonfinite"]]) == set(ov.nonfinite_steps) <= set(s.index)
+    assert truth["skipped"].sum() > 5 and truth["nonfinite"].sum() > 0  # the run really has both
+    for col in ("loss", "grad_norm", "lr", "loss_scale"):
+        finite = truth[np.isfinite(truth[col])]
+        for pick in (finite[col].idxmin(), finite[col].idxmax()):
+            step = int(truth.loc[pick, "step"])
+            assert s.loc[step, col] == truth.loc[pick, col], (col, step)
+    # every kept row carries its true values
+    merged = ov.steps.merge(truth, on="step", suffixes=("", "_t"))
+    assert np.allclose(merged["loss"], merged["loss_t"], equal_nan=True)
+
+
+def test_scale_changes_match_sqlite(real_run):
+    truth = _truth_steps(real_run)
+    prev = truth["loss_scale"].shift()
+    changed = truth[(truth["loss_scale"] != prev) & prev.notna()]
+    ov = dashdata.overview_data(real_run)
+    assert list(ov.scale_changes["step"]) == list(changed["step"])
+    kinds = np.where(changed["loss_scale"] < prev[changed.index], "backoff", "growth")
+    assert list(ov.scale_changes["kind"]) == list(kinds)
+    assert "backoff" in kinds and "growth" in kinds
+    assert ov.clip_threshold == 1.0  # demo.train's config max_grad_norm
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_run_row_matches_sqlite(path):
+    row = dashdata.run_row(path)
+    t = _truth_steps(path)
+    assert row["steps"] == len(t) and row["skipped"] == int(t["skipped"].sum())
+    last = t.iloc[-1]
+    assert row["final_scale"] == (None if pd.isna(last["loss_scale"]) else last["loss_scale"])
+    assert (math.isnan(row["last_loss"]) and math.isnan(last["loss"])) or row["last_loss"] == last["loss"]
+    ev = _sql(path, "SELECT MIN(step) s FROM events")["s"].iloc[0]
+    firsts = [int(x) for x in [t["step"][t["nonfinite"]].min(), ev] if pd.notna(x)]
+    assert row["first_nonfinite_step"] == (min(firsts) if firsts else None)
+
+
+def test_runs_table_lists_unreadable_files_with_reason(tmp_path):
+    import shutil
+    shutil.copy(SAMPLES[0], tmp_path / SAMPLES[0].name)
+    (tmp_path / "empty.sqlite").write_bytes(b"")
+    (tmp_path / "text.sqlite").write_text("not a database")
+    foreign = sqlite3.connect(tmp_path / "foreign.sqlite")
+    foreign.execute("CREATE TABLE t (x)")
+    foreign.commit()
+    foreign.close()
+    head = SAMPLES[0].read_bytes()
+    (tmp_path / "truncated.sqlite").write_bytes(head[:4096])
+    runs, bad = dashdata.runs_table(tmp_path)
+    assert list(runs["file"]) == [SAMPLES[0].name]
+    reasons = dict(bad)
+    assert set(reasons) == {"empty.sqlite", "text.sqlite", "foreign.sqlite", "truncated.sqlite"}
+    assert "empty file" in reasons["empty.sqlite"] and "another tool" in reasons["foreign.sqlite"]
+    with pytest.raises(RunError, match="no folder"):
+        dashdata.runs_table(tmp_path / "missing")
+
+
+def test_zero_step_run(tmp_path):
+    path = _synthetic(tmp_path / "zero.sqlite", 0)
+    assert dashdata.run_row(path)["steps"] == 0
+    ov = dashdata.overview_data(path)
+    assert ov.steps.empty and ov.first is None
+    assert dashdata.layer_heatmap(path).values.size == 0
+    assert dashdata.module_headroom(path).empty
+
+
+def test_heatmap_keeps_a_single_layer_spike_and_nan(tmp_path):
+    path = _synthetic(tmp_path / "layers.sqlite", 200_000, params=12, layer_every=20,
+                      layer_spike=((123_460, 7, 5e4),), layer_nan=((88_880, 3),))
+    grid = dashdata.layer_heatmap(path, buckets=50)
+    assert grid.values.shape == (12, 50) and grid.width == 4000
+    r, c = np.unravel_index(np.nanargmax(grid.values), grid.values.shape)
+    assert (grid.names[r], grid.bucket_starts[c]) == ("layer7.weight", 120_000) and grid.values[r, c] == 5e4
+    assert list(zip(*np.nonzero(grid.nonfinite))) == [(3, 88_880 // 4000)]
+    truth = _sql(path, "SELECT param_id, MAX(grad_norm) m FROM layers GROUP BY param_id")
+    assert np.allclose(np.nanmax(grid.values, axis=1), truth["m"])
+
+
+def test_layers_real_run_match_sqlite(real_run):
+    grid = dashdata.layer_heatmap(real_run, "grad_norm", buckets=1000)
+    assert grid.width == 1
+    t = _sql(real_run, "SELECT l.step, t.name, l.grad_norm, l.nan_mask FROM layers l JOIN tensors t"
+                       " ON t.id = l.param_id")
+    cell = t.iloc[len(t) // 2]
+    col = int(np.flatnonzero(grid.bucket_starts == cell["step"])[0])
+    assert grid.values[grid.names.index(cell["name"]), col] == pytest.approx(cell["grad_norm"])
+    bad = t[(t["nan_mask"] != 0) | ~np.isfinite(t["grad_norm"].fillna(0))]
+    marked = {(grid.names[r], int(grid.bucket_starts[c])) for r, c in zip(*np.nonzero(grid.nonfinite))}
+    assert marked == set(zip(bad["name"], bad["step"]))
+
+    zero = dashdata.zero_grad_fraction(real_run).set_index("layer")
+    zt = _sql(real_run, "SELECT t.name, AVG(grad_zero_frac) m, MAX(grad_zero_frac) x, COUNT(grad_zero_frac) n"
+                        " FROM layers l JOIN tensors t ON t.id = l.param_id GROUP BY t.name").set_index("name")
+    assert np.allclose(zero.loc[zt.index, "zero_frac_mean"], zt["m"])
+    assert np.allclose(zero.loc[zt.index, "zero_frac_max"], zt["x"])
+    assert (zero.loc[zt.index, "detail_steps"] == zt["n"]).all()
+
+
+def test_headroom_matches_sqlite(real_run):
+    df = dashdata.module_headroom(real_run, buckets=7)
+    t = _sql(real_run, "SELECT t.name module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END phase,"
+                       " MAX(m.amax) amax FROM modules m JOIN tensors t ON t.id = m.module_id GROUP BY 1, 2")
+    merged = df.merge(t, on=["module", "phase"], suffixes=("", "_t"))
+    assert len(merged) == len(t) and np.allclose(merged["amax"], merged["amax_t"], equal_nan=True)
+    assert (df["limit"] == 65504.0).all()
+    # the burst drove h.0.mlp.fc's forward past fp16's limit: no headroom left, listed first
+    fc = df[(df["module"] == "h.0.mlp.fc") & (df["phase"] == "forward")].iloc[0]
+    assert fc["headroom"] <= 1.0 and df["headroom"].iloc[0] <= 1.0
+
+
+def test_events_origin_first_and_step_detail(real_run):
+    ev = dashdata.events(real_run)
+    t = _sql(real_run, "SELECT step, origin FROM events ORDER BY step, origin DESC, id")
+    assert len(ev) == len(t) > 0 and list(ev["step"]) == list(t["step"])
+    with_origin = ev[ev.groupby("step")["origin"].transform("any")]
+    assert len(with_origin) and with_origin.groupby("step").head(1)["origin"].all()  # origin listed first
+    step = int(ev["step"].iloc[0])
+    d = dashdata.step_detail(real_run, step)
+    assert len(d["events"]) == int((t["step"] == step).sum())
+    assert len(d["layers"]) == len(_sql(real_run, "SELECT 1 FROM layers WHERE step = ?", (step,)))
+    assert len(d["modules"]) == len(_sql(real_run, "SELECT 1 FROM modules WHERE step = ?", (step,)))
+    assert bool(d["step"]["skipped"].iloc[0]) == bool(_sql(real_run, "SELECT skipped FROM steps WHERE step = ?",
+                                                           (step,))["skipped"].iloc[0])
+
+
+def test_reading_never_changes_the_file(real_run):
+    before = hashlib.sha256(real_run.read_bytes()).hexdigest(), real_run.stat().st_mtime_ns
+    dashdata.overview_data(real_run, buckets=5)
+    dashdata.layer_heatmap(real_run)
+    dashdata.module_headroom(real_run)
+    dashdata.zero_grad_fraction(real_run)
+    dashdata.step_detail(real_run, 3)
+    dashdata.runs_table(real_run.parent)
+    assert (hashlib.sha256(real_run.read_bytes()).hexdigest(), real_run.stat().st_mtime_ns) == before
