@@ -82,6 +82,11 @@ FP32_MODULE_TYPES = {"LayerNorm", "GroupNorm", "RMSNorm", "BatchNorm1d", "BatchN
                      "Embedding", "EmbeddingBag", "CrossEntropyLoss", "MSELoss", "NLLLoss"}
 
 
+def pow2(x: float) -> str:
+    """The largest power of two <= x, as Python: ``2**16``."""
+    return f"2**{math.floor(math.log2(x))}" if x > 0 else "1"
+
+
 def _finding(facts: Facts, id: str, severity: str, title: str, first: int, last: int,
              evidence: str, advice: str, jump: Optional[tuple[int, int]] = None) -> Finding:
     return Finding(id, severity, title, (int(first), int(last)), evidence, advice,
@@ -97,7 +102,6 @@ def warmup_skips(facts: Facts) -> list[Finding]:
         return []
     ev = facts.events
     n_events = int(ev["step"].isin(w.skips).sum()) if len(ev) else 0
-    settled = 2.0 ** math.floor(math.log2(w.scale_to)) if w.scale_to > 0 else w.scale_to
     return [_finding(
         facts, "warmup-skips", "info",
         f"Normal warm-up: {len(w.skips)} skipped step(s) while the loss scale backed off, ended at step {w.last:,}",
@@ -106,7 +110,7 @@ def warmup_skips(facts: Facts) -> list[Finding]:
         f"{', ...' if len(w.skips) > 12 else ''}); scale {num(w.scale_from)} -> {num(w.scale_to)}; "
         f"{n_events:,} gradient-overflow event(s) in them are expected",
         f"Nothing to fix: GradScaler starts high and halves until the gradients fit. To skip the warm-up, "
-        f"start at init_scale={num(settled).split(' ')[0]}.",
+        f"start at init_scale={pow2(w.scale_to)}.",
         jump=(w.first, min(facts.last_step, w.last + 5)))]
 
 
@@ -259,7 +263,7 @@ def scale_stuck_low(facts: Facts) -> list[Finding]:
             continue
         room = FP16_MAX / peak
         gi = facts.info.get("growth_interval")
-        target = 2.0 ** math.floor(math.log2(scale * room / 8))  # keep 8x margin below the limit
+        target = scale * room / 8  # keep 8x margin below the limit
         grew_never = gi is not None and length > gi
         why = (f"the scaler did not grow in {length:,} clean steps although growth_interval={gi}: growth is "
                f"disabled (growth_factor={facts.info.get('growth_factor')}) or the scale is set by hand"
@@ -271,7 +275,7 @@ def scale_stuck_low(facts: Facts) -> list[Finding]:
             first, last,
             f"{length:,} clean steps at scale {num(scale)}; largest scaled gradient {num(peak)}, "
             f"{room:.3g}x below fp16's 65,504; {why}",
-            f"Start at init_scale={num(target).split(' ')[0]} and keep growth_interval at or below "
+            f"Start at init_scale={pow2(min(target, 2.0 ** 24))} and keep growth_interval at or below "
             f"{min(gi or 2000, 2000):,} so the scaler can find its level; small gradients lose precision "
             f"or flush to zero at this scale.")]
     return []
@@ -594,15 +598,16 @@ def divergence(facts: Facts) -> list[Finding]:
             evidence += (f"; the scaler skipped {int(tail['skipped'].sum()):,} of them, scale "
                          f"{num(sc.iloc[0])} -> {num(sc.iloc[-1])}")
         origins = facts.origins(tail["step"]).sort_values("first", kind="stable")  # the earliest is the cause
+        restart = f"restart from a checkpoint before step {onset:,}. "
         if len(origins):
             extra, fix = origin_advice(facts, origins["module"].iloc[0], origins["phase"].iloc[0], onset)
             evidence += f"; born in {describe_origins(origins)}{extra}"
+            restart = "" if extra else restart  # the overwritten weight's advice names the checkpoint
         else:
             fix = "Find the first non-finite value (localize=True records where it is born)"
         return [_finding(facts, "divergence", "error",
                          f"Training diverged at step {onset:,}: the loss is {kinds} to the end", onset, end, evidence,
-                         f"The run does not recover by itself: restart from a checkpoint before step {onset:,}. "
-                         f"{fix}.", jump=facts.jump(onset, onset, pad=20))]
+                         f"The run does not recover by itself: {restart}{fix}.", jump=facts.jump(onset, onset, pad=20))]
     rising = _rising_loss(facts)
     if rising is None:
         return []
@@ -683,7 +688,9 @@ def misuse_notices(facts: Facts) -> list[Finding]:
     if not len(n):
         return []
     advice = {"step-without-update": "Call scaler.update() once after every scaler.step(optimizer); without it "
-                                     "the scale never adapts and the scaler refuses the next step."}
+                                     "the scale never adapts and the scaler refuses the next step.",
+              "clip-before-unscale": "Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_: on "
+                                     "scaled gradients max_norm clips scale-times too hard."}
     out = []
     for code, g in n.groupby("code", sort=False):
         steps = [int(x) for x in g["step"].dropna()] or [facts.first_step]
