@@ -141,7 +141,8 @@ class Watch:
 
     # -- per-step state -------------------------------------------------------------------------
     def _new_step(self, now: float) -> None:
-        self._losses: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []         # what scaler.scale() saw
+        self._logged_losses: list[torch.Tensor] = []  # watch.log(loss=...): wins over the above
         self._scale_calls = 0
         self._backwards = 0
         self._norms: Optional[torch.Tensor] = None
@@ -271,8 +272,8 @@ class Watch:
         now = time.time()
         segments: list[tuple[str, torch.Tensor]] = []
         dt, dev = self._pack_dtype, self._device
-        if self._losses:
-            losses = torch.stack([l.float().mean().to(dev) for l in self._losses])
+        if self._logged_losses or self._losses:
+            losses = torch.stack([l.float().mean().to(dev) for l in self._logged_losses or self._losses])
             segments.append(("loss", losses.mean().reshape(1)))
         if scale is not None:
             segments.append(("scale", scale.reshape(1)))
@@ -319,14 +320,16 @@ class Watch:
     def log(self, **scalars: Any) -> None:
         """Record extra scalars for the current step (tensors are not read here: no sync).
 
-        Without a scaler, ``watch.log(loss=loss)`` is how the loss arrives.
+        Without a scaler, ``watch.log(loss=loss)`` is how the loss arrives. With one, a logged loss
+        replaces what ``scaler.scale()`` saw: log it when the scaled loss was divided for gradient
+        accumulation (Accelerate, Trainer, Lightning do), so the row holds the loss itself.
         """
         if self._failed or self.closed:
             return
         for key, value in scalars.items():
-            if key == "loss" and self.scaler is None and isinstance(value, (torch.Tensor, float, int)):
-                self._losses.append(value.detach() if isinstance(value, torch.Tensor)
-                                    else torch.tensor(float(value), device=self._device))
+            if key == "loss" and isinstance(value, (torch.Tensor, float, int)):
+                self._logged_losses.append(value.detach() if isinstance(value, torch.Tensor)
+                                           else torch.tensor(float(value), device=self._device))
             else:
                 self._metrics[key] = value
 

@@ -1,0 +1,84 @@
+"""Issue 6, item 4: fused optimizers. GradScaler always calls a fused optimizer's ``step()``; the kernel
+skips the update itself when the scaler found inf. So "step() was not called" cannot be the skip
+signal: the recorded skips must still equal the parameter ground truth in an overflow storm.
+(``torch.optim.AdamW(fused=True)`` runs on the CPU in torch 2.13, grad_scale/found_inf included.)
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ampwatch
+from loops import data, mlp, snapshot, changed
+
+
+def fused_storm(tmp_path, *, steps: int = 40, clip: bool = False, accum: int = 1):
+    """A hand-written AMP loop with AdamW(fused=True); returns (run, truth)."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=4)
+    truth = {"skipped": [], "norm": [], "steps_called": 0, "scale": []}
+    opt.register_step_pre_hook(lambda *a: truth.__setitem__("steps_called", truth["steps_called"] + 1))
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite")) as watch:
+        for i in range(steps):
+            x, y = data(i)
+            before = snapshot(model)
+            for xb, yb in zip(x.chunk(accum), y.chunk(accum)):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(xb * 4).float(), yb)
+                scaler.scale(loss).backward()
+            scale = scaler.get_scale()
+            if clip:
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:  # the grads are still scaled: the truth divides by the scale they carry
+                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) / scale
+            truth["norm"].append(float(norm))
+            truth["scale"].append(scale)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            truth["skipped"].append(not changed(before, model))
+    return ampwatch.load(watch.path), truth
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-unscale", "unscale-and-clip"])
+def test_fused_adamw_overflow_storm_skips_are_exact(tmp_path, clip):
+    run, truth = fused_storm(tmp_path, clip=clip)
+    steps = run.steps
+    assert truth["steps_called"] == 40, "GradScaler calls a fused step() even when it skips"
+    assert 6 <= sum(truth["skipped"]) < 40
+    assert list(steps["skipped"]) == truth["skipped"]
+    assert list(steps["loss_scale"]) == truth["scale"]
+    finite = [(r, t) for r, t in zip(steps["grad_norm"], truth["norm"]) if math.isfinite(t)]
+    assert len(finite) >= 20
+    assert [r for r, _ in finite] == pytest.approx([t for _, t in finite], rel=1e-4)
+
+
+def test_fused_with_accumulation_one_row_per_step(tmp_path):
+    run, truth = fused_storm(tmp_path, steps=16, accum=2)
+    assert list(run.steps["skipped"]) == truth["skipped"] and any(truth["skipped"])
+    assert list(run.steps["micro_batches"]) == [2] * 16
+
+
+def test_fused_optimizer_under_lightning_16_mixed(tmp_path):
+    """Lightning does not unscale_ for fused optimizers (and forbids clipping them); the kernel does."""
+    L = pytest.importorskip("lightning.pytorch")
+    from test_integrations_lightning import Regressor, StepTruth, fp16_plugin, loader
+    from ampwatch.integrations.lightning import AmpwatchCallback
+    truth = StepTruth()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=16, accumulate_grad_batches=2,
+                        plugins=[fp16_plugin()], callbacks=[AmpwatchCallback(str(tmp_path / "run.sqlite")), truth],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Regressor(fused=True), loader())
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    assert 3 <= sum(truth.skipped) < 16
+    assert list(run.steps["skipped"]) == truth.skipped
+    assert list(run.steps["loss_scale"]) == truth.scales
+    # on_before_optimizer_step sees still-scaled grads here, so the truth divides by the scale
+    pairs = [(r, t / s) for r, t, s, k in zip(run.steps["grad_norm"], truth.norms, truth.scales, truth.skipped)
+             if not k]
+    assert [r for r, _ in pairs] == pytest.approx([t for _, t in pairs], rel=1e-4)

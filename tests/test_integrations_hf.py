@@ -1,0 +1,242 @@
+"""Issue 6: the Hugging Face Trainer callback on a tiny GPT-2 (built from a config, random weights) on the CPU.
+
+Ground truth is the Trainer's own ``log_history`` (loss, grad_norm at logging_steps=1) and, for the
+GradScaler path, parameter snapshots around each optimizer step.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ampwatch
+
+transformers = pytest.importorskip("transformers")
+from ampwatch.errors import OptionError  # noqa: E402
+from ampwatch.integrations.transformers import AmpwatchCallback  # noqa: E402
+
+STEPS = 6
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seq: int = 16) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(0, 64, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def make_trainer(tmp_path, callbacks, *, steps: int = STEPS, model=None, **args) -> "transformers.Trainer":
+    settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, gradient_accumulation_steps=2,
+                    per_device_train_batch_size=4, logging_steps=1, max_steps=steps, learning_rate=1e-3,
+                    report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+    settings.update(args)
+    return transformers.Trainer(model=model or tiny_gpt2(), args=transformers.TrainingArguments(**settings),
+                                train_dataset=Tokens(), callbacks=callbacks)
+
+
+def logged(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+
+
+def use_cpu_grad_scaler(trainer, **kwargs) -> torch.amp.GradScaler:
+    """What accelerate does on a GPU with fp16 (a GradScaler and native autocast), on the CPU:
+    the same Trainer/accelerate code paths, with a real scaler that really skips steps."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=3, **kwargs)
+    trainer.accelerator.scaler = scaler
+    trainer.accelerator.native_amp = True
+    return scaler
+
+
+class StepTruth(transformers.TrainerCallback):
+    """Independent ground truth: was each update applied (parameter snapshot), which scale it used."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.skipped: list[bool] = []
+        self.scales: list[float] = []
+        self.accelerate_skipped: list[bool] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.before = [p.detach().clone() for p in model.parameters()]
+        self.scales.append(self.trainer.accelerator.scaler.get_scale())
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.skipped.append(all(torch.equal(b, p) for b, p in zip(self.before, model.parameters())))
+        self.accelerate_skipped.append(self.trainer.accelerator.optimizer_step_was_skipped)
+
+
+@pytest.fixture(scope="module", params=["fp16", "bf16"])
+def precision_run(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    callback = AmpwatchCallback(str(tmp / "run.sqlite"))
+    trainer = make_trainer(tmp, [callback], **{request.param: True})
+    trainer.train()
+    return request.param, trainer, ampwatch.load(tmp / "run.sqlite")
+
+
+def test_one_row_per_optimizer_step_with_the_trainers_loss_and_grad_norm(precision_run):
+    _, trainer, run = precision_run
+    steps, logs = run.steps, logged(trainer)
+    assert list(steps["step"]) == list(range(STEPS)) and len(logs) == STEPS
+    assert list(steps["micro_batches"]) == [2] * STEPS
+    assert list(steps["loss"]) == pytest.approx([h["loss"] for h in logs], rel=1e-6)
+    assert list(steps["grad_norm"]) == pytest.approx([h["grad_norm"] for h in logs], rel=1e-4)
+    assert not steps["skipped"].any() and steps["loss_scale"].isna().all()  # accelerate has no CPU scaler
+
+
+def test_run_info_names_the_framework_and_keeps_training_arguments(precision_run):
+    precision, trainer, run = precision_run
+    info = run.info
+    assert info["framework"] == "transformers" and info["status"] == "finished"
+    config = info["config"]
+    assert config["fp16"] is (precision == "fp16") and config["bf16"] is (precision == "bf16")
+    assert config["learning_rate"] == 1e-3 and config["per_device_train_batch_size"] == 4
+    assert config["gradient_accumulation_steps"] == 2 and config["max_grad_norm"] == 1.0
+    # accelerate autocasts bf16 on the CPU, but not fp16 (that run is really fp32): the run says so
+    assert info["amp_dtype"] == ("bfloat16" if precision == "bf16" else None)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_grad_scaler_path_skips_agree_with_parameters_and_accelerate(tmp_path, optim):
+    truth = StepTruth()
+    callback = AmpwatchCallback(str(tmp_path / "run.sqlite"))
+    trainer = make_trainer(tmp_path, [callback, truth], steps=10, fp16=True, optim=optim)
+    truth.trainer = trainer
+    scaler = use_cpu_grad_scaler(trainer)
+    trainer.train()
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    steps = run.steps
+    assert 3 <= sum(truth.skipped) < 10, "the storm must skip some steps and not others"
+    assert list(steps["skipped"]) == truth.skipped
+    if optim == "adamw_torch":
+        assert truth.accelerate_skipped == truth.skipped
+    # else: a fused step is always called, so accelerate reports no skips (huggingface/accelerate#4242)
+    assert list(steps["loss_scale"]) == truth.scales
+    assert run.info["scaler_enabled"] == 1 and run.info["init_scale"] == 2.0 ** 24
+    assert run.info["amp_dtype"] == "float16"
+    logs = logged(trainer)
+    assert list(steps["loss"]) == pytest.approx([h["loss"] for h in logs], rel=1e-6)
+    finite = [(s, h["grad_norm"]) for s, h in zip(steps.itertuples(), logs) if math.isfinite(h["grad_norm"])]
+    assert len(finite) >= 4
+    assert [s.grad_norm for s, _ in finite] == pytest.approx([g for _, g in finite], rel=1e-4)
+    assert scaler.__dict__.keys().isdisjoint({"scale", "unscale_", "step", "update"}), "patches removed"
+
+
+def test_injected_fault_is_localized_to_its_module(tmp_path):
+    model = tiny_gpt2()
+    target = model.transformer.h[1].mlp.c_fc
+    state = {"calls": 0}
+
+    def overflow_on_last_step(module, inputs, output):
+        state["calls"] += 1  # 2 micro-batches per step: the last step's forwards are calls 11 and 12
+        return output * float("inf") if state["calls"] > 2 * (STEPS - 1) else None
+
+    target.register_forward_hook(overflow_on_last_step)
+    trainer = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "run.sqlite"))], model=model, bf16=True)
+    trainer.train()
+    events = ampwatch.load(tmp_path / "run.sqlite").events
+    assert set(events["step"]) == {STEPS - 1}
+    origin = events[(events["origin"] == 1) & (events["phase"] == "forward")]
+    assert list(origin["module"]) == ["transformer.h.1.mlp.c_fc"]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["forward", "callback"])
+def test_a_raising_train_closes_the_run_as_crashed(tmp_path, where):
+    model = tiny_gpt2()
+    calls = {"n": 0}
+
+    class RaiseAfterThirdStep(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise Boom("callback failed at step 3")
+
+    def raise_in_forward(module, args):
+        calls["n"] += 1
+        if calls["n"] == 7:  # first micro-batch of the fourth step
+            raise Boom("forward failed at step 3")
+
+    extra = []
+    if where == "forward":
+        model.transformer.h[0].register_forward_pre_hook(raise_in_forward)
+    else:
+        extra = [RaiseAfterThirdStep()]
+    trainer = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "run.sqlite"))] + extra, model=model,
+                           bf16=True)
+    with pytest.raises(Boom):
+        trainer.train()
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    assert run.info["status"] == "crashed"
+    assert f"{where} failed at step 3" in run.info["error"]
+    assert len(run.steps) == 3
+
+
+def test_reused_trainer_and_a_second_trainer_give_separate_correct_runs(tmp_path):
+    first = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "a.sqlite"))], bf16=True)
+    second = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "b.sqlite"), layer_every=1)],
+                          bf16=True, learning_rate=3e-3)
+    expected = {}
+    first.train()
+    expected["a.sqlite"] = logged(first)
+    second.train()
+    expected["b.sqlite"] = logged(second)
+    first.train()  # the same Trainer again: a new run, never appended to the first file
+    expected["a-2.sqlite"] = logged(first)
+    for name, logs in expected.items():
+        run = ampwatch.load(tmp_path / name)
+        assert run.info["status"] == "finished" and len(run.steps) == STEPS == len(logs)
+        assert list(run.steps["loss"]) == pytest.approx([h["loss"] for h in logs], rel=1e-6)
+        assert list(run.steps["grad_norm"]) == pytest.approx([h["grad_norm"] for h in logs], rel=1e-4)
+    assert ampwatch.load(tmp_path / "b.sqlite").info["config"]["learning_rate"] == 3e-3
+    assert ampwatch.load(tmp_path / "a-2.sqlite").steps["loss"].iloc[0] != expected["a.sqlite"][0]["loss"]
+
+
+def test_bad_options_fail_when_the_callback_is_made():
+    with pytest.raises(OptionError, match="layer_evry"):
+        AmpwatchCallback("x.sqlite", layer_evry=5)
+    with pytest.raises(TypeError, match="framework"):
+        AmpwatchCallback("x.sqlite", framework="mine")
+
+
+IMPORTS_NOTHING = """
+import sys, ampwatch, ampwatch.recorder, ampwatch.integrations
+heavy = sorted(m for m in ("transformers", "accelerate", "lightning", "pytorch_lightning") if m in sys.modules)
+assert not heavy, heavy
+"""
+
+WITHOUT_TRANSFORMERS = """
+import sys
+sys.modules["transformers"] = None  # as if not installed
+try:
+    from ampwatch.integrations.transformers import AmpwatchCallback
+except ImportError as exc:
+    print(exc)
+"""
+
+
+def test_import_ampwatch_imports_no_framework():
+    subprocess.run([sys.executable, "-c", IMPORTS_NOTHING], check=True, timeout=120)
+
+
+def test_without_transformers_one_clear_error_names_the_extra():
+    out = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.strip()
+    assert out.count("\n") == 0 and "pip install 'ampwatch[transformers]'" in out
