@@ -96,7 +96,11 @@ def run_row(path: Any) -> dict[str, Any]:
 def runs_table(folder: Any) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     """Every run in ``folder`` and every unreadable file with its reason (RunError for a bad folder)."""
     rows, bad = [], []
+    root = Path(folder).resolve()
     for f in find_runs(folder):
+        if f.resolve().parent != root:  # a symlink out of the folder: only the folder's own files are opened
+            bad.append((f.name, f"{f.name!r} links outside {str(folder)!r}: not opened"))
+            continue
         try:
             rows.append(run_row(f))
         except RunError as exc:
@@ -302,7 +306,7 @@ class LayerGrid:
     names: list[str]
     metric: str
     bucket_starts: np.ndarray           # first step of each column
-    width: int                          # steps per column
+    width: int                          # steps per column (1: each column is one recorded step)
     values: np.ndarray                  # (layers, columns); NaN = no row (or non-finite: see ``nonfinite``)
     nonfinite: np.ndarray               # (layers, columns) bool: a NaN/inf gradient somewhere in the bucket
 
@@ -322,37 +326,51 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
                   buckets: int = LAYER_BUCKETS) -> LayerGrid:
     """Per-layer ``metric`` (one of LAYER_METRICS) as a layers x buckets grid, max per bucket.
 
-    One small GROUP BY per primary-key range (no sort of the whole table). A NaN/inf gradient
-    folds in as +inf so the max keeps it: the cell is marked non-finite.
+    One small GROUP BY per primary-key range (no sort of the whole table). In columns holding a
+    step whose total grad norm is NaN/inf (found in ``steps``), a non-finite gradient folds in as
+    +inf so the max keeps it and the cell is marked; other columns take the plain, cheaper MAX.
     """
     if metric not in LAYER_METRICS:
         raise ValueError(f"metric must be one of {LAYER_METRICS}, not {metric!r}")
-    # A non-finite gradient has a NaN (masked) or inf norm; an inf norm is already the max.
+    where = " FROM layers WHERE step >= ? AND step < ? AND step <= ? GROUP BY param_id"
+    plain = f"SELECT ?, param_id, MAX({metric})" + where
     value = "grad_norm" if metric == "grad_norm" else f"CASE WHEN abs(grad_norm) > {_INF} THEN 9e999 ELSE {metric} END"
-    sql = (f"SELECT ?, param_id, MAX(CASE WHEN nan_mask & {LAYER_NAN_BITS['grad_norm']} THEN 9e999 ELSE {value} END)"
-           " FROM layers"
-           " WHERE step >= ? AND step < ? AND step <= ? GROUP BY param_id")
+    flagged = (f"SELECT ?, param_id, MAX(CASE WHEN nan_mask & {LAYER_NAN_BITS['grad_norm']} OR grad_nonfinite > 0"
+               f" THEN 9e999 ELSE {value} END)" + where)
     with open_run(path) as conn:
         names = _param_names(conn)
         start, end = _layer_span(conn, start, end)
         if start is None or end < start:
             return LayerGrid(names["name"].tolist(), metric, np.array([], dtype=np.int64), 1,
                              np.full((len(names), 0), np.nan), np.zeros((len(names), 0), dtype=bool))
-        width = max(1, math.ceil((end - start + 1) / buckets))
-        rows = [r for i, lo in enumerate(range(start, end + 1, width))
-                for r in conn.execute(sql, (i, lo, lo + width, end)).fetchall()]
+        every = conn.execute("SELECT layer_every FROM run").fetchone()[0] or 1
+        if (end - start + 1) / every <= buckets:
+            # Few enough detail steps to show each as its own column (no empty stripes between them).
+            cols = np.array([r[0] for r in conn.execute(
+                "SELECT step FROM layers WHERE step BETWEEN ? AND ? GROUP BY step", (start, end))], dtype=np.int64)
+            width = 1
+        else:  # a column is at least layer_every steps wide, so none is empty
+            width = max(every, math.ceil((end - start + 1) / buckets))
+            cols = start + width * np.arange(math.ceil((end - start + 1) / width))
+        bounds = np.append(cols[1:], end + 1) if width == 1 else cols + width
+        # A NaN/inf layer gradient makes the step's total norm NaN/inf (it is their root sum of squares).
+        bad_steps = np.array([r[0] for r in conn.execute(
+            f"SELECT step FROM steps WHERE step BETWEEN ? AND ? AND ((nan_mask & {STEP_NAN_BITS['grad_norm']}) != 0"
+            f" OR abs(grad_norm) > {_INF})", (start, end))], dtype=np.int64)
+        bad_cols = set((np.searchsorted(cols, bad_steps, side="right") - 1).tolist())
+        rows = [r for i, (lo, hi) in enumerate(zip(cols.tolist(), bounds.tolist()))
+                for r in conn.execute(flagged if i in bad_cols else plain, (i, lo, hi, end)).fetchall()]
     data = pd.DataFrame(rows, columns=["col", "pid", "value"]).to_numpy(dtype=float, na_value=math.nan)
     data = data.reshape(-1, 3)
-    ncol = math.ceil((end - start + 1) / width)
     ids = names["id"].to_numpy(dtype=np.int64)  # sorted: ORDER BY id
     r = np.searchsorted(ids, data[:, 1].astype(np.int64)).clip(0, max(len(ids) - 1, 0))
     known = ids[r] == data[:, 1] if len(ids) else np.zeros(len(data), dtype=bool)
     r, c, v = r[known], data[known, 0].astype(np.int64), data[known, 2]
-    values = np.full((len(ids), ncol), np.nan)
+    values = np.full((len(ids), len(cols)), np.nan)
     values[r, c] = v
     bad = np.isinf(values)
     values[bad] = np.nan
-    return LayerGrid(names["name"].tolist(), metric, start + width * np.arange(ncol), width, values, bad)
+    return LayerGrid(names["name"].tolist(), metric, cols, width, values, bad)
 
 
 def grid_frame(grid: LayerGrid) -> pd.DataFrame:
@@ -395,7 +413,7 @@ def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] =
     """
     with open_run(path) as conn:
         info = run_info(conn)
-        lo, hi = conn.execute("SELECT MIN(step), MAX(step) FROM modules").fetchone()
+        lo, hi = conn.execute("SELECT (SELECT MIN(step) FROM modules), (SELECT MAX(step) FROM modules)").fetchone()
         names = _df(conn, "SELECT id AS module_id, name AS module, type FROM tensors WHERE kind = 'module'")
         cols = ["module", "type", "phase", "amax", "nonfinite_steps", "limit", "headroom"]
         if lo is None:
@@ -403,16 +421,21 @@ def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] =
         start = lo if start is None else max(lo, int(start))
         end = hi if end is None else min(hi, int(end))
         width = max(1, math.ceil((end - start + 1) / buckets))
-        sql = ("SELECT module_id, phase, MAX(amax), SUM(nonfinite) FROM modules WHERE step >= ? AND step < ?"
-               " AND step <= ? GROUP BY module_id, phase")
+        # MAX only, one integer key: the per-bucket sort is the cost (15M rows: ~4 s, bench/dashboard.py).
+        sql = ("SELECT module_id * 2 + phase, MAX(amax) FROM modules WHERE step >= ? AND step < ? AND step <= ?"
+               " GROUP BY 1")
         parts = [conn.execute(sql, (lo_, lo_ + width, end)).fetchall() for lo_ in range(start, end + 1, width)]
-    flat = [row for part in parts for row in part]
-    df = pd.DataFrame(flat, columns=["module_id", "phase", "amax", "nonfinite_steps"])
+        bad = _df(conn, "SELECT module, phase, COUNT(DISTINCT step) AS nonfinite_steps FROM events"
+                        " WHERE step BETWEEN ? AND ? AND phase IN ('forward', 'backward') GROUP BY module, phase",
+                  (start, end))
+    df = pd.DataFrame([row for part in parts for row in part], columns=["key", "amax"])
     df["amax"] = df["amax"].astype(float)
-    df = df.groupby(["module_id", "phase"], as_index=False).agg(amax=("amax", "max"),
-                                                                 nonfinite_steps=("nonfinite_steps", "sum"))
+    df = df.groupby("key", as_index=False)["amax"].max()
+    df["module_id"], df["phase"] = df["key"] // 2, df["key"] % 2
     df = df.merge(names, on="module_id", how="left")
     df["phase"] = np.where(df["phase"] == 0, "forward", "backward")
+    df = df.merge(bad, on=["module", "phase"], how="left")
+    df["nonfinite_steps"] = df["nonfinite_steps"].fillna(0).astype(int)
     limit = DTYPE_MAX.get(info.get("amp_dtype") or "float16", DTYPE_MAX["float16"])
     df["limit"] = limit
     with np.errstate(divide="ignore"):

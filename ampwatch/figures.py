@@ -94,14 +94,16 @@ def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = No
         hover = f"steps %{{x}}..+{grid.width - 1}<br>%{{y}}<br>max {label} %{{z:.3g}}<extra></extra>"
     fig = go.Figure(go.Heatmap(z=z, x=grid.bucket_starts, y=grid.names, colorscale="Viridis",
                                colorbar={"title": label}, hovertemplate=hover, hoverongaps=False))
-    rows, cols = np.nonzero(grid.nonfinite)
-    if len(rows):
-        fig.add_trace(go.Scatter(x=grid.bucket_starts[cols], y=[grid.names[r] for r in rows], mode="markers",
-                                 name=f"NaN/inf gradient ({len(rows)} cells)",
-                                 marker={"symbol": "x", "color": NONFINITE_COLOR, "size": 9}))
-    fig.update_layout(height=height or max(320, 14 * len(grid.names) + 120), xaxis_title="step",
-                      yaxis={"autorange": "reversed", "type": "category"}, uirevision=grid.metric,
-                      margin={"l": 160, "r": 20, "t": 30, "b": 40}, legend={"orientation": "h", "y": 1.05})
+    if grid.nonfinite.any():  # a second, single-colour layer: NaN/inf cells stand out in red
+        fig.add_trace(go.Heatmap(z=np.where(grid.nonfinite, 1.0, np.nan), x=grid.bucket_starts, y=grid.names,
+                                 colorscale=[[0, SKIP_COLOR], [1, SKIP_COLOR]], showscale=False, showlegend=True,
+                                 name=f"NaN/inf gradient ({int(grid.nonfinite.sum())} cells)", hoverongaps=False,
+                                 hovertemplate="step %{x}<br>%{y}<br>NaN/inf gradient<extra></extra>"))
+    n = len(grid.names)
+    fig.update_layout(height=height or min(2400, max(320, 18 * n + 120)), xaxis_title="step",
+                      yaxis={"autorange": "reversed", "type": "category", "dtick": 1 if n <= 80 else None},
+                      uirevision=grid.metric, margin={"l": 160, "r": 20, "t": 30, "b": 40},
+                      legend={"orientation": "h", "y": 1.05})
     return fig
 
 

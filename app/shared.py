@@ -68,7 +68,7 @@ def sidebar() -> tuple[Optional[Path], Optional[Path]]:
     folder = Path(st.session_state["folder"]).expanduser()
     if not folder.is_dir():
         return None, None
-    names = [f.name for f in sorted(folder.iterdir()) if f.is_file() and f.suffix in RUN_SUFFIXES]
+    names = [f.name for f in sorted(folder.iterdir()) if safe_run_path(folder, f.name) is not None]
     if not names:
         return folder, None
     wanted = st.query_params.get("run")

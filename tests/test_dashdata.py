@@ -65,8 +65,11 @@ def _synthetic(path: Path, steps: int, *, params: int = 0, layer_every: int = 20
         loss[nan_step], mask[nan_step], skipped[nan_step] = None, STEP_NAN_BITS["loss"], 1
     if skip_step >= 0:
         skipped[skip_step] = 1
+    norms = (1 + rng.random(steps)).tolist()
+    for st_, _ in layer_nan:  # as the writer does: a NaN layer norm makes the step's total norm NaN
+        norms[st_], mask[st_], skipped[st_] = None, mask[st_] | STEP_NAN_BITS["grad_norm"], 1
     rows = list(zip(s.tolist(), s.tolist(), [0.1] * steps, loss, [65536.0] * steps, skipped,
-                    (1 + rng.random(steps)).tolist(), [1e-3] * steps, [1] * steps, mask))
+                    norms, [1e-3] * steps, [1] * steps, mask))
     conn = sqlite3.connect(path)
     with conn:
         conn.executemany(_INSERTS["steps"], rows)
@@ -219,9 +222,11 @@ def test_layers_real_run_match_sqlite(real_run):
 def test_headroom_matches_sqlite(real_run):
     df = dashdata.module_headroom(real_run, buckets=7)
     t = _sql(real_run, "SELECT t.name module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END phase,"
-                       " MAX(m.amax) amax FROM modules m JOIN tensors t ON t.id = m.module_id GROUP BY 1, 2")
+                       " MAX(m.amax) amax, SUM(m.nonfinite) bad FROM modules m JOIN tensors t ON t.id = m.module_id"
+                       " GROUP BY 1, 2")
     merged = df.merge(t, on=["module", "phase"], suffixes=("", "_t"))
     assert len(merged) == len(t) and np.allclose(merged["amax"], merged["amax_t"], equal_nan=True)
+    assert (merged["nonfinite_steps"] == merged["bad"]).all() and merged["bad"].sum() > 0
     assert (df["limit"] == 65504.0).all()
     # the burst drove h.0.mlp.fc's forward past fp16's limit: no headroom left, listed first
     fc = df[(df["module"] == "h.0.mlp.fc") & (df["phase"] == "forward")].iloc[0]

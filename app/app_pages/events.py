@@ -17,7 +17,7 @@ if ev.empty:
 origins = ev[ev["origin"]]
 if len(origins):
     first = origins.iloc[0]
-    st.error(f"First origin: **{first['module']}** ({first['phase']}, {first['kind']}) at step {first['step']}")
+    st.warning(f"First origin: **{first['module']}** ({first['phase']}, {first['kind']}) at step {first['step']}")
 only_origin = st.toggle("origins only", value=False, key="events_origin_only")
 shown = (origins if only_origin else ev).reset_index(drop=True)
 

@@ -42,7 +42,7 @@ def _fmt(x, spec="{:.4g}"):
 
 m = st.columns(5)
 m[0].metric("steps", f"{row['steps']:,}")
-m[1].metric("skipped", f"{row['skipped']:,}", f"{row['skipped_pct']:.1f}%", delta_color="off")
+m[1].metric("skipped", f"{row['skipped']:,} ({row['skipped_pct']:.1f}%)")
 m[2].metric("final loss scale", _fmt(row["final_scale"], "{:g}"))
 m[3].metric("first NaN/inf step", _fmt(row["first_nonfinite_step"], "{}"))
 m[4].metric("last loss", _fmt(row["last_loss"]))
@@ -50,6 +50,6 @@ if ov.steps["loss"].notna().sum() == 0:
     st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")
 log_loss = st.toggle("log loss axis", value=True, key="log_loss")
 st.plotly_chart(figures.overview_figure(ov, log_loss=log_loss), width="stretch", key="overview_chart")
-drawn = f"every step" if ov.bucket == 1 else f"min/max per {ov.bucket:,} steps + every skip and NaN"
+drawn = "every step" if ov.bucket == 1 else f"min/max per {ov.bucket:,} steps + every skip and NaN"
 st.caption(f"Steps {ov.first:,}–{ov.last:,}, {len(ov.steps):,} points drawn ({drawn}).")
 shared.download(ov.steps, f"{path.stem}_steps_{ov.first}-{ov.last}.csv", "Download shown steps (CSV)")

@@ -1,0 +1,303 @@
+"""Every dashboard page in Streamlit's AppTest, against the sample runs and bad folders.
+
+Numbers shown are compared with SQLite read directly; bad input must give a message, not a traceback.
+"""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import math
+import os
+import shutil
+import socket
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.io
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import ampwatch
+from ampwatch.writer import _INSERTS, create_run_file
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = str(ROOT / "app" / "streamlit_app.py")
+SAMPLES = ROOT / "sample_runs"
+SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.sqlite"))
+PAGES = ("runs", "overview", "layers", "events", "inspector", "compare", "live")
+
+
+def _open(folder: Path, page: str = "runs", run: str | None = None, state: dict | None = None) -> AppTest:
+    os.environ["AMPWATCH_RUNS"] = str(folder)
+    at = AppTest.from_file(APP, default_timeout=60)
+    if run is not None:
+        at.query_params["run"] = run
+    at.run()
+    if page != "runs":
+        for k, v in (state or {}).items():
+            at.session_state[k] = v
+        at.switch_page(f"app_pages/{page}.py")
+        at.run()
+    return at
+
+
+@pytest.fixture(autouse=True)
+def _restore_env():
+    before = os.environ.get("AMPWATCH_RUNS")
+    yield
+    if before is None:
+        os.environ.pop("AMPWATCH_RUNS", None)
+    else:
+        os.environ["AMPWATCH_RUNS"] = before
+
+
+def _sql(path: Path, query: str, params: tuple = ()) -> pd.DataFrame:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return pd.read_sql_query(query, conn, params=params)
+    finally:
+        conn.close()
+
+
+def _no_failure(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def _figure(at: AppTest, i: int = 0):
+    """The i-th Plotly chart as a Figure (plotly encodes arrays as base64 in the JSON spec)."""
+    return plotly.io.from_json(at.get("plotly_chart")[i].proto.spec)
+
+
+def _trace(fig, name: str):
+    return next(t for t in fig.data if (t.name or "").startswith(name))
+
+
+def _values(v) -> list:
+    """Trace data as a list: Plotly's JSON carries numpy arrays as {'dtype', 'bdata'} (base64)."""
+    if isinstance(v, dict) and "bdata" in v:
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
+    return list(v)
+
+
+def _frame(at: AppTest, column: str) -> pd.DataFrame:
+    """The first dataframe shown with ``column`` (AppTest exposes keys only for selectable frames)."""
+    return next(d.value for d in at.dataframe if column in d.value.columns)
+
+
+def _metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("run", SAMPLE_FILES)
+def test_every_page_on_every_sample_run(page, run):
+    at = _open(SAMPLES, page, run)
+    _no_failure(at)
+    assert not at.error, [e.value for e in at.error]
+    assert at.title, "page drew nothing"
+    assert at.sidebar.selectbox(key="run").value == run
+
+
+def test_runs_table_numbers_equal_sqlite():
+    at = _open(SAMPLES)
+    shown = at.dataframe(key="runs_table").value.set_index("file")
+    assert sorted(shown.index) == SAMPLE_FILES
+    for name in SAMPLE_FILES:
+        steps = _sql(SAMPLES / name, "SELECT COUNT(*) n, SUM(skipped) k FROM steps").iloc[0]
+        last = _sql(SAMPLES / name, "SELECT loss_scale FROM steps ORDER BY step DESC LIMIT 1").iloc[0]
+        row = shown.loc[name]
+        assert row["steps"] == steps["n"]
+        assert row["skipped_pct"] == pytest.approx(100 * steps["k"] / steps["n"])
+        assert (pd.isna(row["final_scale"]) and pd.isna(last["loss_scale"])) or row["final_scale"] == last["loss_scale"]
+    at.text_input(key="runs_filter").input("storm").run()
+    assert list(at.dataframe(key="runs_table").value["file"]) == ["overflow_storm.sqlite"]
+
+
+@pytest.mark.parametrize("run", SAMPLE_FILES)
+def test_overview_numbers_and_chart_equal_sqlite(run):
+    at = _open(SAMPLES, "overview", run)
+    t = _sql(SAMPLES / run, "SELECT step, loss, loss_scale, skipped FROM steps ORDER BY step")
+    assert _metric(at, "steps") == f"{len(t):,}"
+    k = int(t["skipped"].sum())
+    assert _metric(at, "skipped") == f"{k:,} ({100 * k / len(t):.1f}%)"
+    scale = t["loss_scale"].iloc[-1]
+    assert _metric(at, "final loss scale") == ("n/a" if pd.isna(scale) else f"{scale:g}")
+    fig = _figure(at)
+    assert _values(_trace(fig, "loss").x) == t["step"].tolist()  # a short run is drawn step by step
+    skipped = [t_ for t_ in fig.data if (t_.name or "").startswith("skipped step")]
+    assert (_values(skipped[0].x) if skipped else []) == t["step"][t["skipped"] == 1].tolist()
+
+
+def test_findings_lead_the_run_page_and_jump_to_their_steps():
+    run = "overflow_storm.sqlite"
+    findings = ampwatch.diagnose(ampwatch.load(SAMPLES / run))
+    assert findings, "the doctor should have something to say about overflow_storm"
+    at = _open(SAMPLES, "overview", run)
+    text = " ".join(m.value for m in at.markdown)
+    for f in findings:
+        assert f.title in text
+    assert at.subheader[0].value == "Findings"  # before the charts
+    target = findings[-1]
+    at.button(key=f"finding:{len(findings) - 1}").click().run()
+    _no_failure(at)
+    assert at.sidebar.slider(key=f"range:{run}").value == tuple(target.jump)
+    loss = _values(_trace(_figure(at), "loss").x)
+    assert (loss[0], loss[-1]) == tuple(target.jump)
+    assert at.session_state["_inspect"] == target.steps[0]
+    at.switch_page("app_pages/layers.py").run()  # the place survives moving between pages
+    assert at.sidebar.slider(key=f"range:{run}").value == tuple(target.jump)
+
+
+def test_layers_views_equal_sqlite():
+    run = "diverged.sqlite"
+    at = _open(SAMPLES, "layers", run)
+    heat = _figure(at).data[0]
+    n_params = _sql(SAMPLES / run, "SELECT COUNT(*) n FROM tensors WHERE kind = 'param'")["n"].iloc[0]
+    assert heat.type == "heatmap" and len(heat.y) == n_params
+    at = _open(SAMPLES, "layers", run, state={"layers_view": "fp16 headroom"})
+    _no_failure(at)
+    shown = _frame(at, "headroom")
+    truth = _sql(SAMPLES / run, "SELECT t.name module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END phase,"
+                                " MAX(m.amax) amax FROM modules m JOIN tensors t ON t.id = m.module_id GROUP BY 1, 2")
+    merged = shown.merge(truth, on=["module", "phase"], suffixes=("", "_t"))
+    assert len(merged) == len(truth) and np.allclose(merged["amax"], merged["amax_t"], equal_nan=True)
+    at = _open(SAMPLES, "layers", run, state={"layers_view": "Zero gradients"})
+    _no_failure(at)
+    zero = _frame(at, "zero_frac_mean").set_index("layer")
+    zt = _sql(SAMPLES / run, "SELECT t.name, AVG(grad_zero_frac) m FROM layers l JOIN tensors t ON t.id = l.param_id"
+                             " GROUP BY t.name").set_index("name")
+    assert np.allclose(zero.loc[zt.index, "zero_frac_mean"], zt["m"])
+
+
+def test_events_page_origin_first_and_inspector():
+    run = "diverged.sqlite"
+    truth = _sql(SAMPLES / run, "SELECT step, module, phase, origin FROM events ORDER BY step, origin DESC, id")
+    at = _open(SAMPLES, "events", run)
+    shown = at.dataframe(key="events_table").value
+    assert len(shown) == len(truth) and list(shown["step"]) == list(truth["step"])
+    origin = truth[truth["origin"] == 1].iloc[0]
+    assert origin["module"] in at.warning[0].value and str(origin["step"]) in at.warning[0].value
+    step = int(origin["step"])
+    at = _open(SAMPLES, "events", run, state={"_inspect": step})
+    layers = _frame(at, "grad_zero_frac")
+    assert len(layers) == len(_sql(SAMPLES / run, "SELECT 1 FROM layers WHERE step = ?", (step,)))
+    step_events = [d.value for d in at.dataframe if "origin" in d.value.columns][1]  # after the events table
+    assert len(step_events) == int((truth["step"] == step).sum())
+
+
+def test_inspector_shows_every_layer_at_the_step():
+    run = "overflow_storm.sqlite"
+    t = _sql(SAMPLES / run, "SELECT l.step, t.name, l.grad_norm FROM layers l JOIN tensors t ON t.id = l.param_id"
+                            " WHERE l.step = (SELECT MAX(step) FROM layers) ORDER BY l.param_id")
+    step = int(t["step"].iloc[0])
+    at = _open(SAMPLES, "inspector", run, state={"_inspect": step})
+    _no_failure(at)
+    assert at.number_input(key="inspect_step").value == step
+    shown = _frame(at, "grad_zero_frac")
+    assert list(shown["layer"]) == list(t["name"])
+    assert np.allclose(shown["grad_norm"], t["grad_norm"], equal_nan=True)
+
+
+def test_compare_overlays_the_picked_runs():
+    picked = SAMPLE_FILES[:3]
+    at = _open(SAMPLES, "compare", SAMPLE_FILES[0], state={"compare": picked})
+    _no_failure(at)
+    legend = [t.name for t in _figure(at).data if t.showlegend]
+    assert legend == [p.rsplit(".", 1)[0] for p in picked]
+
+
+def _make_run(path: Path, losses: list, status: str = "finished", **info) -> Path:
+    row = {"name": path.stem, "status": status, "started_at": time.time(), "heartbeat_at": time.time(),
+           "pid": os.getpid(), "hostname": socket.gethostname(), "amp_dtype": "float16", "layer_every": 20,
+           "schema_version": 1, **info}
+    create_run_file(str(path), row, [])
+    _append(path, 0, losses)
+    return path
+
+
+def _append(path: Path, start: int, losses: list) -> None:
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.executemany(_INSERTS["steps"], [
+            (start + i, time.time(), 0.1, None if math.isnan(v) else v, 1024.0, int(math.isnan(v)), 1.0, 1e-3, 1,
+             1 if math.isnan(v) else 0) for i, v in enumerate(losses)])
+        conn.execute("UPDATE run SET heartbeat_at = ?", (time.time(),))
+    conn.close()
+
+
+def test_live_page_follows_a_running_run(tmp_path):
+    path = _make_run(tmp_path / "live.sqlite", [1.0, 0.9, 0.8], status="running")
+    at = _open(tmp_path, "live", path.name)
+    _no_failure(at)
+    assert _metric(at, "status") == "running" and _metric(at, "steps") == "3"
+    assert any("redrawing every" in c.value for c in at.caption)
+    _append(path, 3, [0.7, 0.6])
+    at.run()
+    assert _metric(at, "steps") == "5"
+    fig = _figure(at)
+    assert _values(_trace(fig, "loss").x) == [0, 1, 2, 3, 4]
+    assert fig.layout.uirevision  # Plotly keeps the zoom across refreshes
+
+
+def _bad_folder(kind: str, tmp_path: Path) -> tuple[Path, str]:
+    folder = tmp_path / kind
+    if kind == "missing":
+        return folder, "does not exist"
+    folder.mkdir()
+    if kind == "empty":
+        return folder, "No runs"
+    if kind == "corrupt":
+        (folder / "broken.sqlite").write_bytes(b"SQLite format 3\x00" + b"\x07" * 3000)
+        return folder, "broken.sqlite"
+    if kind == "not_sqlite":
+        (folder / "notes.sqlite").write_text("hello")
+        return folder, "not an ampwatch run"
+    if kind == "foreign":
+        conn = sqlite3.connect(folder / "other.sqlite")
+        conn.execute("CREATE TABLE t (x)")
+        conn.commit()
+        conn.close()
+        return folder, "another tool"
+    if kind == "zero_steps":
+        _make_run(folder / "zero.sqlite", [])
+        return folder, "no steps"
+    if kind == "all_nan":
+        _make_run(folder / "nan.sqlite", [math.nan] * 5)
+        return folder, "NaN"
+    raise ValueError(kind)
+
+
+BAD = ("missing", "empty", "corrupt", "not_sqlite", "foreign", "zero_steps", "all_nan")
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_bad_input_gives_a_message_on_every_page(kind, tmp_path):
+    folder, expected = _bad_folder(kind, tmp_path)
+    for page in PAGES:
+        at = _open(folder, page)
+        _no_failure(at)
+        if page == "overview":
+            said = " ".join(e.value for e in (*at.error, *at.info, *at.warning))
+            assert expected in said, (page, said)
+
+
+def test_names_from_the_url_cannot_escape_the_folder(tmp_path):
+    outside = tmp_path / "secret.sqlite"
+    shutil.copy(SAMPLES / "healthy_fp16.sqlite", outside)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(SAMPLES / "diverged.sqlite", folder / "diverged.sqlite")
+    (folder / "link.sqlite").symlink_to(outside)
+    for name in ("../secret.sqlite", str(outside), "link.sqlite"):
+        at = _open(folder, "overview", name)
+        _no_failure(at)
+        assert at.title[0].value == "diverged"
+    spec = importlib.util.spec_from_file_location("app_shared", ROOT / "app" / "shared.py")
+    shared = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shared)
+    assert shared.safe_run_path(folder, "diverged.sqlite") == (folder / "diverged.sqlite").resolve()
+    for name in ("../secret.sqlite", str(outside), "link.sqlite", "", None, "diverged.txt", ".", "sub/x.sqlite"):
+        assert shared.safe_run_path(folder, name) is None, name

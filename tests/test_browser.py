@@ -1,0 +1,132 @@
+"""End to end in a real headless Chromium: `streamlit run app` on a free port, charts drawn, a run picked.
+
+Skipped when Chromium or chromedriver is missing, unless AMPWATCH_REQUIRE_BROWSER=1 (CI), which
+turns the skip into a failure. The screenshot lands in test-artifacts/.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+pytestmark = pytest.mark.browser
+
+
+def _require_browser() -> None:
+    missing = [p for p in (CHROMIUM, DRIVER) if not Path(p).exists()]
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        missing.append("selenium")
+    if missing:
+        message = f"browser test needs {', '.join(missing)} (Debian: apt install chromium chromium-driver)"
+        if os.environ.get("AMPWATCH_REQUIRE_BROWSER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    _require_browser()
+    port = _free_port()
+    env = dict(os.environ, AMPWATCH_RUNS="sample_runs")
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app", "--server.port", str(port),
+                             "--server.headless", "true"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"streamlit did not start: {proc.stdout.read().decode()[-2000:]}")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _require_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-dev-shm-usage", "--window-size=1400,1800"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+def _wait(driver, css: str, timeout: float = 60, text: str | None = None):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+    wait = WebDriverWait(driver, timeout)
+    if text is None:
+        return wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, css)))
+    return wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, css), text))
+
+
+def _no_errors(driver) -> None:
+    from selenium.webdriver.common.by import By
+    bad = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stException"], .stException')
+    assert not bad, [e.text[:300] for e in bad]
+
+
+def test_dashboard_in_chromium(server, browser):
+    from selenium.webdriver.common.by import By
+    browser.get(f"{server}/overview?run=healthy_fp16.sqlite")
+    _wait(browser, "h1", text="healthy_fp16")
+    _wait(browser, ".js-plotly-plot .main-svg")  # Plotly really drew the charts
+    _no_errors(browser)
+
+    # select another run in the sidebar's picker, as a person would
+    box = _wait(browser, '[data-testid="stSidebar"] [data-testid="stSelectbox"]')
+    box.find_element(By.CSS_SELECTOR, "input, [role='combobox']").click()
+    option = _wait(browser, '[role="option"]')
+    options = browser.find_elements(By.CSS_SELECTOR, '[role="option"]')
+    next(o for o in options if "overflow_storm" in o.text).click()
+    _wait(browser, "h1", text="overflow_storm")
+    _wait(browser, ".js-plotly-plot .main-svg")
+    assert option is not None and "run=overflow_storm.sqlite" in browser.current_url
+    text = browser.find_element(By.TAG_NAME, "body").text
+    assert "Findings" in text and "skipped" in text
+    _no_errors(browser)
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "dashboard_overview.png"))
+    assert (ARTIFACTS / "dashboard_overview.png").stat().st_size > 10_000
+
+    browser.get(f"{server}/layers?run=diverged.sqlite")
+    _wait(browser, "h1", text="Layers")
+    _wait(browser, ".js-plotly-plot .main-svg")
+    _no_errors(browser)
+    browser.save_screenshot(str(ARTIFACTS / "dashboard_layers.png"))

@@ -1,0 +1,106 @@
+"""Figure builders: the traces carry exactly the data given (no browser, no Streamlit)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ampwatch import dashdata, figures
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
+
+
+def _trace(fig, name_start: str):
+    found = [t for t in fig.data if (t.name or "").startswith(name_start)]
+    assert found, f"no trace named {name_start!r}: {[t.name for t in fig.data]}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def storm():
+    return dashdata.overview_data(SAMPLES / "overflow_storm.sqlite")
+
+
+def test_overview_traces_carry_the_data(storm):
+    fig = figures.overview_figure(storm, log_loss=True)
+    loss = _trace(fig, "loss")
+    assert list(loss.x) == list(storm.steps["step"])
+    assert np.allclose(np.asarray(loss.y, dtype=float), storm.steps["loss"], equal_nan=True)
+    skipped = _trace(fig, "skipped step")
+    assert list(skipped.x) == list(storm.skipped_steps) and len(storm.skipped_steps) > 0
+    assert skipped.name == f"skipped step ({len(storm.skipped_steps)})"
+    backoff = _trace(fig, "scale backoff")
+    changes = storm.scale_changes
+    assert list(backoff.x) == list(changes["step"][changes["kind"] == "backoff"])
+    # one shared step axis: every row's x axis follows the bottom one
+    assert fig.layout.xaxis.matches == "x4" and fig.layout.xaxis2.matches == "x4"
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log" and fig.layout.yaxis3.type == "log"
+    assert all(t.startswith("2^") for t in fig.layout.yaxis2.ticktext)
+    assert [2.0 ** int(t[2:]) for t in fig.layout.yaxis2.ticktext] == list(fig.layout.yaxis2.tickvals)
+    assert figures.overview_figure(storm, log_loss=False).layout.yaxis.type == "linear"
+
+
+def test_clip_threshold_line_only_when_known(storm):
+    fig = figures.overview_figure(storm)
+    lines = [s for s in fig.layout.shapes if s.type == "line"]
+    assert storm.clip_threshold == 1.0 and [s.y0 for s in lines] == [1.0]
+    storm_no_clip = dashdata.Overview(storm.steps, storm.skipped_steps, storm.nonfinite_steps,
+                                      storm.scale_changes, 1, 0, 299, info={"config": {}})
+    assert not [s for s in figures.overview_figure(storm_no_clip).layout.shapes if s.type == "line"]
+
+
+def test_markers_for_nan_steps_sit_on_the_plot():
+    ov = dashdata.overview_data(SAMPLES / "diverged.sqlite")
+    fig = figures.overview_figure(ov, log_loss=True)
+    nan = _trace(fig, "NaN/inf step")
+    assert list(nan.x) == list(ov.nonfinite_steps) and len(nan.x) > 0
+    assert np.isfinite(np.asarray(nan.y, dtype=float)).all()  # NaN loss: drawn at the bottom, not dropped
+
+
+def test_heatmap_log_colour_and_nonfinite_marks():
+    grid = dashdata.LayerGrid(names=["a", "b"], metric="grad_norm", bucket_starts=np.array([0, 10, 20]), width=10,
+                              values=np.array([[1.0, 10.0, np.nan], [100.0, np.nan, 0.001]]),
+                              nonfinite=np.array([[False, False, True], [False, False, False]]))
+    fig = figures.heatmap_figure(grid)
+    heat = fig.data[0]
+    assert np.allclose(np.asarray(heat.z, dtype=float), [[0, 1, np.nan], [2, np.nan, -3]], equal_nan=True)
+    marks = _trace(fig, "NaN/inf gradient")
+    assert marks.name == "NaN/inf gradient (1 cells)"
+    assert np.array_equal(np.isfinite(np.asarray(marks.z, dtype=float)), grid.nonfinite)
+    linear = figures.heatmap_figure(grid, log_color=False).data[0]
+    assert np.allclose(np.asarray(linear.z, dtype=float), grid.values, equal_nan=True)
+
+
+def test_headroom_marks_modules_near_the_limit_red():
+    df = pd.DataFrame({"module": ["fc", "proj"], "type": ["Linear"] * 2, "phase": ["forward"] * 2,
+                       "amax": [30000.0, 10.0], "nonfinite_steps": [0, 0], "limit": [65504.0] * 2,
+                       "headroom": [65504 / 30000, 6550.4]})
+    fig = figures.headroom_figure(df)
+    bars = fig.data[0]
+    assert list(bars.y) == ["fc", "proj"] and list(bars.x) == [30000.0, 10.0]
+    assert list(bars.marker.color) == [figures.SKIP_COLOR, "#1f77b4"]
+    assert fig.layout.xaxis.type == "log" and fig.layout.shapes[0].x0 == 65504.0
+
+
+def test_zero_grad_and_compare_figures():
+    zero = dashdata.zero_grad_fraction(SAMPLES / "healthy_fp16.sqlite")
+    fig = figures.zero_grad_figure(zero)
+    assert list(fig.data[0].y) == list(zero["layer"])
+    runs = {p.stem: dashdata.overview_data(p) for p in sorted(SAMPLES.glob("*.sqlite"))[:3]}
+    rates = {name: dashdata.skip_rate(SAMPLES / f"{name}.sqlite") for name in runs}
+    fig = figures.compare_figure(runs, rates)
+    legend = [t.name for t in fig.data if t.showlegend]
+    assert legend == list(runs)
+    for name, rate in rates.items():
+        tr = [t for t in fig.data if t.name == name and t.yaxis == "y4"][0]
+        assert np.allclose(np.asarray(tr.y, dtype=float), rate["rate"])
+
+
+def test_figures_import_neither_streamlit_nor_torch():
+    code = ("import sys, ampwatch.figures, ampwatch.dashdata; "
+            "bad = [m for m in ('torch', 'streamlit') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
