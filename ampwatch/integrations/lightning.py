@@ -42,7 +42,7 @@ class AmpwatchCallback(pl.Callback):
     :param options: ``attach``'s: ``name``, ``config`` (merged over the Trainer settings kept in the
         run's config), ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``rank``.
 
-    Cost: that of ``attach``, plus two device ops per micro-batch for the loss; no sync.
+    Cost: that of ``attach``, plus a few device ops per step for the loss; no sync.
     """
 
     def __init__(self, path: Optional[str] = None, **options: Any) -> None:
@@ -69,22 +69,20 @@ class AmpwatchCallback(pl.Callback):
         note_amp_dtype(self.watch, _AUTOCAST.get(str(trainer.precision)))
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        if self.watch is None:
-            return
-        loss = loss.detach().float().mean()
-        scaler = self.watch.scaler
-        if probes.scaler_enabled(scaler):  # the plugin hands us the loss already scaled
-            scale = probes.scale_tensor(scaler)
-            if scale is not None:
-                loss = loss / scale
-        self._losses.append(loss)
+        if self.watch is not None:
+            self._losses.append(loss.detach())  # scaled by the plugin under 16-mixed: undone per step
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         watch = self.watch
         if watch is None or getattr(optimizer, "_optimizer", optimizer) is not watch.optimizer:
             return
         if self._losses:  # before scaler.step()/optimizer.step(), inside which the watch ends the step
-            watch.log(loss=torch.stack(self._losses).mean() * self._accumulation)
+            loss = torch.stack(self._losses).float().mean() * self._accumulation
+            if probes.scaler_enabled(watch.scaler):
+                scale = probes.scale_tensor(watch.scaler)  # update() has not run: the window's scale
+                if scale is not None:
+                    loss = loss / scale
+            watch.log(loss=loss)
         self._losses = []
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
