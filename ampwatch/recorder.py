@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import sys
 import time
 import traceback
@@ -146,6 +147,7 @@ class Watch:
         self._scale_calls = 0
         self._backwards = 0
         self._norms: Optional[torch.Tensor] = None
+        self._norms_at_backward = False
         self._norm_ids: list[int] = []
         self._detail: Optional[torch.Tensor] = None
         self._detail_ids: list[int] = []
@@ -181,6 +183,7 @@ class Watch:
             return
         self._norms = self._detail = None
         self._measure_grads(inv_scale=None if scale is None else scale.double().reciprocal().float())
+        self._norms_at_backward = True
 
     def _measure_grads(self, inv_scale: Optional[torch.Tensor] = None) -> None:
         """Per-parameter grad norms (one foreach call), and detail on layer/bad steps. No sync,
@@ -219,16 +222,40 @@ class Watch:
     def _scaler_unscale_(self, original: Any, optimizer: Any) -> None:
         original(optimizer)
         if optimizer is self.optimizer:
+            if getattr(self, "_inside_scaler_step", False):  # the user did not call unscale_ first
+                self._guarded(self._check_clip_before_unscale)()
             self._guarded(self._measure_grads)()
 
     def _scaler_step(self, original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         ours = optimizer is self.optimizer and not (self._failed or self.closed)
         if ours:
             self._guarded(self._before_scaler_step)()
-        result = original(optimizer, *args, **kwargs)
+        self._inside_scaler_step = ours
+        try:
+            result = original(optimizer, *args, **kwargs)
+        finally:
+            self._inside_scaler_step = False
         if ours:
             self._guarded(self._after_scaler_step)()
         return result
+
+    def _check_clip_before_unscale(self) -> None:
+        """Notice (once per run) gradients that shrank between backward and scaler.step's own unscale_:
+        clip_grad_norm_ on still-scaled gradients, which clips scale-times too hard."""
+        if (getattr(self, "_clip_noticed", False) or not self._norms_at_backward or self._norms is None
+                or self.step % self.options["layer_every"]):
+            return
+        grads = [self._params[i].grad for i in self._norm_ids]
+        if any(g is None for g in grads):
+            return
+        # Two host reads, on layer_every steps only: scaler.step syncs on found_inf right after anyway.
+        before = float(self._norms.double().norm())
+        after = float(probes.tensor_norms(grads, self._device).double().norm())
+        if math.isfinite(before) and math.isfinite(after) and after < 0.99 * before:
+            self._clip_noticed = True
+            self.writer.put_notice(self.step, "clip-before-unscale",
+                                   f"gradients shrank {before / after:.3g}x between backward and scaler.step "
+                                   f"without scaler.unscale_: clipped while still scaled?")
 
     def _scaler_update(self, original: Any, new_scale: Any = None) -> None:
         scale = found = None

@@ -284,3 +284,30 @@ def test_grad_norm_is_pre_clip_whoever_clips(tmp_path, mode):
     got = list(ampwatch.load(watch.path).steps["grad_norm"])
     assert got == pytest.approx(truth, rel=1e-5)
     assert min(got) > 1e-2  # far above the 1e-4 clip: not the post-clip norm
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_clip_before_unscale_is_noticed(tmp_path, unscale_first):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=2) as watch:
+        for i in range(6):
+            x, y = data(i)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    notices = ampwatch.load(watch.path).notices
+    codes = list(notices["code"])
+    assert codes == ([] if unscale_first else ["clip-before-unscale"])
+    if not unscale_first:
+        assert notices["step"].iloc[0] == 0
+        assert len(ampwatch.load(watch.path).steps) == 6  # a notice, not an extra or a lost step
+    doctor_ids = {f.id for f in ampwatch.diagnose(watch.path)}
+    assert ("misuse-clip-before-unscale" in doctor_ids) is (not unscale_first)
