@@ -105,7 +105,10 @@ def runs_table(folder: Any) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
             rows.append(run_row(f))
         except RunError as exc:
             bad.append((f.name, str(exc)))
-    return pd.DataFrame(rows), bad
+    df = pd.DataFrame(rows)
+    if rows:  # object dtype keeps None (no loss logged) apart from NaN (the loss was NaN)
+        df["last_loss"] = pd.Series([r["last_loss"] for r in rows], dtype=object)
+    return df, bad
 
 
 # -- steps: overview and compare --------------------------------------------------------------------
@@ -281,6 +284,7 @@ def step_detail(path: Any, step: int) -> dict[str, Any]:
                            " WHERE l.step = ? ORDER BY l.param_id", (int(step),))
         for col, bit in LAYER_NAN_BITS.items():
             layers[col] = layers[col].astype(float).where((layers["nan_mask"] & bit) == 0, math.nan)
+        layers["grad_norm_nan"] = (layers["nan_mask"] & LAYER_NAN_BITS["grad_norm"]) != 0
         modules = _df(conn, "SELECT t.name AS module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END"
                             " AS phase, m.amax, m.nonfinite FROM modules m JOIN tensors t ON t.id = m.module_id"
                             " WHERE m.step = ? ORDER BY m.module_id, m.phase", (int(step),))

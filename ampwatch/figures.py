@@ -13,6 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+LOSS_COLOR, SCALE_COLOR, NORM_COLOR, LR_COLOR = "#1f77b4", "#9467bd", "#ff7f0e", "#17becf"
 SKIP_COLOR = "#d62728"
 GROWTH_COLOR = "#2ca02c"
 NONFINITE_COLOR = "#000000"
@@ -25,7 +26,7 @@ def _log2_ticks(values: pd.Series) -> dict[str, Any]:
     if v.empty:
         return {}
     lo, hi = math.floor(math.log2(v.min())), math.ceil(math.log2(v.max()))
-    step = max(1, math.ceil((hi - lo + 1) / 12))
+    step = max(1, math.ceil((hi - lo + 1) / 7))  # about 7 labels: the panel is short
     ks = list(range(lo, hi + 1, step))
     return {"tickvals": [2.0 ** k for k in ks], "ticktext": [f"2^{k}" for k in ks]}
 
@@ -46,9 +47,10 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Fig
     growths are red/green triangles; the clip threshold (config ``max_grad_norm``) a dashed line.
     """
     s = ov.steps
-    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.03,
+    fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         row_heights=[0.34, 0.22, 0.26, 0.18], subplot_titles=OVERVIEW_ROWS)
-    fig.add_trace(go.Scatter(x=s["step"], y=s["loss"], name="loss", mode="lines", line={"width": 1}), 1, 1)
+    fig.add_trace(go.Scatter(x=s["step"], y=s["loss"], name="loss", mode="lines",
+                             line={"width": 1, "color": LOSS_COLOR}), 1, 1)
     if len(ov.skipped_steps):
         fig.add_trace(go.Scatter(x=ov.skipped_steps, y=_marker_y(s, "loss", ov.skipped_steps, log_loss),
                                  name=f"skipped step ({len(ov.skipped_steps)})", mode="markers",
@@ -59,11 +61,13 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Fig
                                  marker={"symbol": "diamond", "color": NONFINITE_COLOR, "size": 8}), 1, 1)
     _scale_traces(fig, s, ov.scale_changes)
     fig.add_trace(go.Scatter(x=s["step"], y=s["grad_norm"], name="grad norm (unscaled, pre-clip)",
-                             mode="lines", line={"width": 1}), 3, 1)
+                             mode="lines", line={"width": 1, "color": NORM_COLOR}), 3, 1)
     if ov.clip_threshold is not None:
         fig.add_hline(y=ov.clip_threshold, line={"dash": "dash", "color": "#7f7f7f"}, row=3, col=1,
                       annotation_text=f"clip {ov.clip_threshold:g}", annotation_position="top left")
-    fig.add_trace(go.Scatter(x=s["step"], y=s["lr"], name="lr", mode="lines", line={"width": 1}), 4, 1)
+    fig.add_trace(go.Scatter(x=s["step"], y=s["lr"], name="lr", mode="lines",
+                             line={"width": 1, "color": LR_COLOR}), 4, 1)
+    fig.update_yaxes(rangemode="tozero", exponentformat="e", row=4, col=1)
     fig.update_yaxes(type="log" if log_loss else "linear", row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(s["loss_scale"]))
     fig.update_yaxes(type="log", row=3, col=1)
@@ -76,7 +80,7 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Fig
 def _scale_traces(fig: go.Figure, s: pd.DataFrame, changes: pd.DataFrame) -> None:
     if s["loss_scale"].notna().any():
         fig.add_trace(go.Scatter(x=s["step"], y=s["loss_scale"], name="loss scale", mode="lines",
-                                 line={"shape": "hv", "width": 1}), 2, 1)
+                                 line={"shape": "hv", "width": 1.5, "color": SCALE_COLOR}), 2, 1)
     for kind, symbol, color in (("backoff", "triangle-down", SKIP_COLOR), ("growth", "triangle-up", GROWTH_COLOR)):
         ev = changes[changes["kind"] == kind] if len(changes) else changes
         if len(ev):

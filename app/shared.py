@@ -7,6 +7,7 @@ Cached loaders are keyed on the file's (path, mtime, size) plus its WAL's, so a 
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -18,6 +19,7 @@ from ampwatch import dashdata
 from ampwatch.errors import RunError
 from ampwatch.reader import RUN_SUFFIXES
 
+AUTO_DOCTOR_STEPS = 100_000  # bigger runs get the doctor on request (see overview.py)
 SEVERITY_ICON = {"error": ":material/error:", "warning": ":material/warning:", "info": ":material/info:"}
 
 
@@ -154,6 +156,23 @@ def inspect_step(first: int, last: int, default: int) -> int:
     st.number_input("Step", min_value=first, max_value=last, step=1, key="inspect_step",
                     on_change=_keep, args=("_inspect", "inspect_step"))
     return int(st.session_state["_inspect"])
+
+
+def fmt(x: Any, spec: str = "{:.4g}", nan: str = "NaN") -> str:
+    """A number for display: NaN stays visibly 'NaN' (st.dataframe shows NaN as 'None'); None is '–'."""
+    if x is None:
+        return "–"
+    if isinstance(x, float) and math.isnan(x):
+        return nan
+    return spec.format(x)
+
+
+def readable(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """A copy for display with ``columns`` (name -> text for NaN) as text: NaN and 'not recorded' differ."""
+    out = df.copy()
+    for col, nan in columns.items():
+        out[col] = [fmt(v, nan=nan) for v in out[col].astype(object)]
+    return out
 
 
 def download(df: pd.DataFrame, name: str, label: str = "Download CSV") -> None:

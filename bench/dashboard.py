@@ -12,7 +12,6 @@ the variants interleaved, and prints medians.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sqlite3
 import statistics

@@ -111,7 +111,7 @@ def test_runs_table_numbers_equal_sqlite():
         row = shown.loc[name]
         assert row["steps"] == steps["n"]
         assert row["skipped_pct"] == pytest.approx(100 * steps["k"] / steps["n"])
-        assert (pd.isna(row["final_scale"]) and pd.isna(last["loss_scale"])) or row["final_scale"] == last["loss_scale"]
+        assert row["final_scale"] == ("–" if pd.isna(last["loss_scale"]) else f"{last['loss_scale']:.4g}")
     at.text_input(key="runs_filter").input("storm").run()
     assert list(at.dataframe(key="runs_table").value["file"]) == ["overflow_storm.sqlite"]
 
@@ -124,7 +124,7 @@ def test_overview_numbers_and_chart_equal_sqlite(run):
     k = int(t["skipped"].sum())
     assert _metric(at, "skipped") == f"{k:,} ({100 * k / len(t):.1f}%)"
     scale = t["loss_scale"].iloc[-1]
-    assert _metric(at, "final loss scale") == ("n/a" if pd.isna(scale) else f"{scale:g}")
+    assert _metric(at, "final loss scale") == ("–" if pd.isna(scale) else f"{scale:g}")
     fig = _figure(at)
     assert _values(_trace(fig, "loss").x) == t["step"].tolist()  # a short run is drawn step by step
     skipped = [t_ for t_ in fig.data if (t_.name or "").startswith("skipped step")]

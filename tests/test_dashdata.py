@@ -133,6 +133,20 @@ def test_real_run_downsampled_keeps_extremes_nans_and_skips(real_run):
     assert np.allclose(merged["loss"], merged["loss_t"], equal_nan=True)
 
 
+def test_too_many_marks_still_mark_every_bucket(real_run, monkeypatch):
+    """Past EXACT_LIMIT skipped steps, each bucket keeps its first and last one (a tiny limit forces it)."""
+    monkeypatch.setattr(dashdata, "EXACT_LIMIT", 3)
+    truth = _truth_steps(real_run)
+    ov = dashdata.overview_data(real_run, buckets=8)
+    skipped = truth["step"][truth["skipped"] == 1].to_numpy()
+    buckets = skipped // ov.bucket
+    ends = {int(skipped[buckets == b].min()) for b in set(buckets)} | {int(skipped[buckets == b].max())
+                                                                       for b in set(buckets)}
+    assert ends <= set(ov.skipped_steps) <= set(skipped)
+    assert {s // ov.bucket for s in ov.skipped_steps} == set(buckets)  # every bucket with a skip is marked
+    assert len(ov.skipped_steps) < len(skipped)
+
+
 def test_scale_changes_match_sqlite(real_run):
     truth = _truth_steps(real_run)
     prev = truth["loss_scale"].shift()

@@ -24,7 +24,7 @@ def _draw() -> str:
     cols[0].metric("status", row["status"])
     cols[1].metric("steps", f"{row['steps']:,}")
     cols[2].metric("skipped", f"{row['skipped']:,}")
-    cols[3].metric("last loss", "n/a" if row["last_loss"] is None else f"{row['last_loss']:.4g}")
+    cols[3].metric("last loss", shared.fmt(row["last_loss"]))
     if not row["steps"]:
         st.info("No steps yet: waiting for the first flush.")
         return row["status"]

@@ -1,6 +1,4 @@
 """Run overview: the doctor's findings, headline figures, then loss/scale/grad norm/lr on one step axis."""
-import math
-
 import streamlit as st
 
 import shared
@@ -19,7 +17,15 @@ if not row["steps"]:
     st.info("This run has no steps yet: nothing to draw. A live run shows steps after its first flush (~1 s).")
     st.stop()
 
-found = shared.guarded(shared.findings, str(path), key, path=path) or []
+# The doctor reads whole tables (about a minute on 1M steps with 200 layers): on big runs it waits
+# for a click, so the charts are not held up and a rerun does not restart it.
+doctor_key = f"doctor:{path.name}"
+if row["steps"] <= shared.AUTO_DOCTOR_STEPS or st.session_state.get(doctor_key):
+    found = shared.guarded(shared.findings, str(path), key, path=path) or []
+else:
+    found = []
+    st.button(f"Run the doctor on all {row['steps']:,} steps (may take a minute)", key="run_doctor",
+              on_click=lambda: st.session_state.update({doctor_key: True}))
 if found:
     st.subheader("Findings")
 for i, f in enumerate(found):
@@ -36,16 +42,12 @@ if ov is None:
     st.stop()
 
 
-def _fmt(x, spec="{:.4g}"):
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
-
-
 m = st.columns(5)
 m[0].metric("steps", f"{row['steps']:,}")
 m[1].metric("skipped", f"{row['skipped']:,} ({row['skipped_pct']:.1f}%)")
-m[2].metric("final loss scale", _fmt(row["final_scale"], "{:g}"))
-m[3].metric("first NaN/inf step", _fmt(row["first_nonfinite_step"], "{}"))
-m[4].metric("last loss", _fmt(row["last_loss"]))
+m[2].metric("final loss scale", shared.fmt(row["final_scale"], "{:g}"))
+m[3].metric("first NaN/inf step", shared.fmt(row["first_nonfinite_step"], "{}"))
+m[4].metric("last loss", shared.fmt(row["last_loss"]))
 if ov.steps["loss"].notna().sum() == 0:
     st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")
 log_loss = st.toggle("log loss axis", value=True, key="log_loss")

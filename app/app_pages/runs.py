@@ -34,11 +34,11 @@ def _pick() -> None:
         st.session_state["compare"] = files
 
 
-st.dataframe(shown[columns], key="runs_table", on_select=_pick, selection_mode="multi-row", hide_index=True,
+st.dataframe(shared.readable(shown[columns], {"final_scale": "–", "last_loss": "NaN"}), key="runs_table", on_select=_pick,
+             selection_mode="multi-row", hide_index=True,
              column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
-                            "final_scale": st.column_config.NumberColumn("final loss scale", format="%g"),
+                            "final_scale": "final loss scale", "last_loss": "last loss",
                             "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step"),
-                            "last_loss": st.column_config.NumberColumn("last loss", format="%.4g"),
                             "started": st.column_config.DatetimeColumn("started (UTC)")})
 st.caption("Select rows to open a run (the first) or compare several; the sidebar shows the open run.")
 picked = st.session_state.get("compare") or []
