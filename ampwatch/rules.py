@@ -658,6 +658,8 @@ def misuse_clip_scaled(facts: Facts) -> list[Finding]:
     m = facts.metrics
     if not facts.scaling or not len(m):
         return []
+    if len(facts.notices) and (facts.notices["code"] == "clip-before-unscale").any():
+        return []  # the recorder saw it directly: misuse_notices reports it, once
     s = facts.steps[~facts.steps["skipped"]].set_index("step")
     out = []
     for key, g in m[m["key"].str.contains("norm", case=False)].groupby("key"):
