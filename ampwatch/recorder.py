@@ -63,6 +63,7 @@ class Watch:
         self._failed = False
         self._handles: list[Any] = []
         self._patched: dict[str, Any] = {}
+        self._wrappers: dict[str, Any] = {}  # what we installed, to tell it from a later watch's wrapper
         self._params, names = parameter_table(model, self.optimizer)
         self._param_numel = {i: p.numel() for i, p in enumerate(self._params)}
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
@@ -116,7 +117,9 @@ class Watch:
             for method in _SCALER_METHODS:
                 original = getattr(self.scaler, method)
                 self._patched[method] = self.scaler.__dict__.get(method, _MISSING)
-                setattr(self.scaler, method, functools.partial(getattr(self, f"_scaler_{method}"), original))
+                wrapper = functools.partial(getattr(self, f"_scaler_{method}"), original)
+                self._wrappers[method] = wrapper
+                setattr(self.scaler, method, wrapper)
 
     def _guarded(self, fn: Any) -> Any:
         def hook(*args: Any, **kwargs: Any) -> None:
@@ -370,11 +373,16 @@ class Watch:
             handle.remove()
         self._handles.clear()
         for method, previous in self._patched.items():
+            if self.scaler.__dict__.get(method) is not self._wrappers.get(method):
+                # another watch wrapped ours: unlinking would drop its wrapper. Ours stays in its
+                # chain as a pass-through (every wrapper checks self.closed).
+                continue
             if previous is _MISSING:
                 self.scaler.__dict__.pop(method, None)
             else:
                 setattr(self.scaler, method, previous)
         self._patched.clear()
+        self._wrappers.clear()
         if self.localizer is not None:
             self.localizer.remove()
         writer = getattr(self, "writer", None)

@@ -311,3 +311,21 @@ def test_clip_before_unscale_is_noticed(tmp_path, unscale_first):
         assert len(ampwatch.load(watch.path).steps) == 6  # a notice, not an extra or a lost step
     doctor_ids = {f.id for f in ampwatch.diagnose(watch.path)}
     assert ("misuse-clip-before-unscale" in doctor_ids) is (not unscale_first)
+
+
+def test_two_watches_on_one_scaler_close_in_any_order(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    first = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "a.sqlite"))
+    second = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "b.sqlite"))
+    amp_step(model, opt, scaler, *data(0))
+    first.close()  # closed first: the second watch must keep recording
+    for i in range(1, 4):
+        amp_step(model, opt, scaler, *data(i))
+    second.close()
+    assert len(ampwatch.load(first.path).steps) == 1
+    assert len(ampwatch.load(second.path).steps) == 4
+    for method in ("scale", "unscale_", "step", "update"):  # the scaler works as before: a plain loop
+        assert callable(getattr(scaler, method))
+    amp_step(model, opt, scaler, *data(9))
