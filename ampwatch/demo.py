@@ -143,6 +143,8 @@ SAMPLES: dict[str, dict] = {
                            fault=_activation_burst("h.0.mlp.fc", 120, 150, 1e5)),
     "diverged": dict(steps=250, init_scale=2.0 ** 16, fault=_corrupt_once(180, "h.1.mlp.fc", 1e5)),
     "bf16_noscaler": dict(steps=300, dtype=torch.bfloat16, use_scaler=False),
+    # recorded through the Lightning callback (16-mixed, CPU GradScaler at 2**24, accumulation 2, clip 1.0)
+    "lightning_fp16": dict(steps=200, via="lightning"),
 }
 
 
@@ -156,7 +158,14 @@ def make_samples(out: Path, names: Optional[list[str]] = None,
         target = out / f"{name}.sqlite"
         for suffix in ("", "-wal", "-shm"):
             Path(f"{target}{suffix}").unlink(missing_ok=True)
-        written.append(train(target, progress=progress, **SAMPLES[name]))
+        spec = dict(SAMPLES[name])
+        if spec.pop("via", None) == "lightning":
+            from .integrations.lightning_sample import record_sample  # needs ampwatch[lightning]
+            written.append(record_sample(target, steps=spec["steps"]))
+            if progress is not None:
+                progress(spec["steps"])
+        else:
+            written.append(train(target, progress=progress, **spec))
     return written
 
 
