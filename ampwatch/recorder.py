@@ -109,7 +109,11 @@ class Watch:
         opt = self.optimizer
         self._handles.append(opt.register_step_pre_hook(self._guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self._guarded(self._after_optimizer_step)))
-        self._handles.append(self.model.register_forward_pre_hook(self._guarded(self._on_first_forward)))
+        # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
+        # the children look too; these hooks are removed when the first step ends
+        self._amp_handles = [m.register_forward_pre_hook(self._guarded(self._on_first_forward))
+                             for m in (self.model, *self.model.children())]
+        self._handles.extend(self._amp_handles)
         counted = next((p for p in self._params if p.requires_grad), None)
         if counted is not None and hasattr(counted, "register_post_accumulate_grad_hook"):
             self._handles.append(counted.register_post_accumulate_grad_hook(self._guarded(self._on_backward)))
@@ -163,13 +167,18 @@ class Watch:
     def _on_first_forward(self, module: Any, args: Any) -> None:
         if getattr(self, "_amp_seen", False):
             return
-        self._amp_seen = True
         kind = self._device.type
         try:
             if torch.is_autocast_enabled(kind):
+                self._amp_seen = True
                 self.writer.put_info(amp_dtype=str(torch.get_autocast_dtype(kind)).replace("torch.", ""))
         except (TypeError, RuntimeError, AttributeError):
-            pass
+            self._amp_seen = True
+
+    def _stop_looking_for_autocast(self) -> None:
+        for handle in getattr(self, "_amp_handles", ()):
+            handle.remove()
+        self._amp_handles = []
 
     def _on_backward(self, param: Any) -> None:
         self._backwards += 1
@@ -343,6 +352,8 @@ class Watch:
             norm_ids=self._norm_ids, detail_ids=self._detail_ids, param_numel=self._param_numel, loc=loc))
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
+        if self.step == 0:
+            self._stop_looking_for_autocast()
         self.step += 1
         self._new_step(now)
 

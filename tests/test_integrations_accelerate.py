@@ -67,3 +67,5 @@ def test_run_info_per_mode(runs):
         info = runs[mode][0].info
         assert info["optimizer"] == "AdamW", "the AcceleratedOptimizer was unwrapped"
         assert info["scaler_enabled"] == ("scaler" in mode) and info["status"] == "finished"
+    # accelerate enters autocast inside the wrapped forward: the recorder still sees its dtype
+    assert runs["bf16"][0].info["amp_dtype"] == "bfloat16"
