@@ -67,7 +67,10 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Fig
                       annotation_text=f"clip {ov.clip_threshold:g}", annotation_position="top left")
     fig.add_trace(go.Scatter(x=s["step"], y=s["lr"], name="lr", mode="lines",
                              line={"width": 1, "color": LR_COLOR}), 4, 1)
-    fig.update_yaxes(rangemode="tozero", exponentformat="e", row=4, col=1)
+    lr_max = pd.to_numeric(s["lr"], errors="coerce").max() if len(s) else None
+    # an explicit range: Plotly pads a constant series by +-1, which flattens lr = 3e-4 onto zero
+    lr_range = [0, 1.15 * float(lr_max)] if lr_max is not None and np.isfinite(lr_max) and lr_max > 0 else None
+    fig.update_yaxes(rangemode="tozero", exponentformat="e", range=lr_range, row=4, col=1)
     fig.update_yaxes(type="log" if log_loss else "linear", row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(s["loss_scale"]))
     fig.update_yaxes(type="log", row=3, col=1)

@@ -104,3 +104,9 @@ def test_figures_import_neither_streamlit_nor_torch():
     code = ("import sys, ampwatch.figures, ampwatch.dashdata; "
             "bad = [m for m in ('torch', 'streamlit') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_constant_lr_is_visible_not_flattened_onto_zero():
+    fig = figures.overview_figure(dashdata.overview_data(SAMPLES / "healthy_fp16.sqlite"))
+    lo, hi = fig.layout.yaxis4.range
+    assert lo == 0 and 0.003 < hi < 0.0035  # the sample trains at a constant lr of 3e-3
