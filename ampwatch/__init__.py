@@ -42,7 +42,8 @@ def load(path: Any) -> "Run":
 def diagnose(run: Any) -> list:
     """Findings (id, severity, title, steps, evidence, advice) for a :class:`Run` or a path."""
     from .doctor import diagnose as _diagnose
-    return _diagnose(run if not isinstance(run, (str, bytes)) and hasattr(run, "steps") else load(run))
+    # hasattr on the type: on a Run, hasattr(run, "steps") would read the whole steps table.
+    return _diagnose(run if not isinstance(run, (str, bytes)) and hasattr(type(run), "steps") else load(run))
 
 
 def __getattr__(name: str) -> Any:

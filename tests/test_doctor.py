@@ -490,3 +490,41 @@ def test_diagnosis_leaves_the_file_untouched_and_needs_no_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) > 0 and copy.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["storm.sqlite"]  # no -wal/-shm left behind
+
+
+# -- the narrow queries behind the doctor agree with the reader's whole tables --------------------------
+
+@pytest.mark.parametrize("name", ["stuck", "headroom", "recurring"])
+def test_facts_queries_agree_with_the_whole_tables(runs, name):
+    """Facts asks SQLite narrow questions instead of loading the detail tables; the reader's whole
+    tables, filtered in pandas the way the rules used to, are the ground truth."""
+    import numpy as np
+    import pandas as pd
+    from ampwatch.rules.facts import Facts
+    run, _ = runs(name)
+    layers, mods = run.layers, run.modules
+    scale = run.steps.set_index("step")["loss_scale"]
+    with Facts.open(run) as facts:
+        last = facts.last_step
+        for first, end in ((0, last), (last // 3, 2 * last // 3), (5, 5)):
+            rows = layers[layers["step"].between(first, end)]
+            scaled = (rows["grad_amax"] * rows["step"].map(scale)).to_numpy(dtype=float)
+            back = mods.loc[(mods["phase"] == "backward") & mods["step"].between(first, end), "amax"]
+            values = np.concatenate([scaled, back.to_numpy(dtype=float)])
+            values = values[np.isfinite(values)]
+            peak = float(values.max()) if len(values) else None
+            assert facts.scaled_grad_max(first, end) == peak, (first, end)
+            if peak:
+                assert facts.scaled_grad_max(first, end, stop_above=peak / 2) > peak / 2
+                assert facts.scaled_grad_max(first, end, stop_above=peak) == peak  # none above: the exact max
+        measured = layers[np.isfinite(layers["grad_amax"]) & layers["grad_zero_frac"].notna()]
+        pd.testing.assert_frame_equal(facts.measured_grads(None, last, set(layers["name"])),
+                                      measured[["name", "step", "grad_amax", "grad_zero_frac"]].reset_index(drop=True))
+        fwd = mods[(mods["phase"] == "forward") & ~mods["nonfinite"]]
+        pd.testing.assert_frame_equal(facts.forward_activations(last, set(fwd["module"])),
+                                      fwd[["module", "step", "amax"]].reset_index(drop=True))
+        prefix = layers["name"].iloc[0].rsplit(".", 1)[0] + "."  # a module's parameters
+        rows = layers[layers["name"].str.startswith(prefix) & (layers["step"] <= last // 2)
+                      & layers["grad_zero_frac"].notna()]
+        norms = {n: list(zip(g["step"].tail(2), g["param_norm"].tail(2))) for n, g in rows.groupby("name")}
+        assert norms and facts.last_param_norms(prefix, last // 2) == norms

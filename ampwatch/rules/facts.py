@@ -1,0 +1,319 @@
+"""What the rules know about a run: its steps, plus answers to narrow questions asked on demand.
+
+:class:`Facts` is the only place the doctor reads a run file. The steps table is read once (five
+columns). The detail tables are never loaded whole: on a long run they hold tens of millions of rows
+(one per parameter, or two per module, on every recorded step), so each question a rule asks is one
+query that filters or aggregates inside SQLite and returns only the rows that can matter.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+import pandas as pd
+
+from ..doctor import Finding
+from ..reader import connect
+from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
+
+# Warm-up: GradScaler starts at init_scale (2**16 by default; people pass 2**24) and halves on each
+# overflow until it fits, so a healthy run skips a handful of steps at the start, close together,
+# before the scale has ever grown. The first must come early and the gaps stay short: the gradients
+# have barely changed yet. 50/25 steps covers every warm-up in our runs (gaps of 1-5 steps) with
+# room for models whose gradients grow over the first steps.
+WARMUP_FIRST_STEP = 50
+WARMUP_MAX_GAP = 25
+
+# A diverged tail: NaN/inf loss on the last 3+ steps (one or two are an overflow the scaler may
+# still fix). Health rules judge only the steps before it; the divergence finding covers the rest.
+NAN_TAIL_MIN = 3
+
+# "Finite" in SQL: SQLite stores NaN as NULL (which fails every comparison) and keeps +-inf, which
+# falls outside this range.
+_FINITE = f"BETWEEN {-sys.float_info.max!r} AND {sys.float_info.max!r}"
+_NO_STEP = -(2 ** 62)  # a lower step bound below any real step
+
+
+@dataclass
+class Warmup:
+    first: int
+    last: int
+    skips: list[int]
+    scale_from: float
+    scale_to: float
+
+
+class Facts:
+    """A run's steps and the answers several rules share: warm-up, diverged tail, healthy range.
+
+    Open it with :meth:`open` (one read-only connection for the whole diagnosis)."""
+
+    def __init__(self, run: Any, conn: Any) -> None:
+        self.info = run.info
+        self._run, self._conn = run, conn
+        self._norms: dict[tuple[str, int], dict[str, list[tuple[int, float]]]] = {}
+        self.steps, self.has_loss = self._read_steps()
+        self.first_step = int(self.steps["step"].min()) if len(self.steps) else 0
+        self.last_step = int(self.steps["step"].max()) if len(self.steps) else 0
+        self.fp16 = self.info.get("amp_dtype") == "float16"
+        self.scaling = bool(self.info.get("scaler_enabled")) and self.steps["loss_scale"].notna().any()
+        self.nan_tail_start = self._nan_tail_start()
+        self.healthy_end = self.last_step if self.nan_tail_start is None else self.nan_tail_start - 1
+        self.warmup = self._warmup()
+
+    @classmethod
+    @contextmanager
+    def open(cls, run: Any) -> Iterator["Facts"]:
+        """Facts of an opened :class:`ampwatch.Run`, valid inside the ``with`` block."""
+        with connect(run.path) as conn:
+            yield cls(run, conn)
+
+    def _query(self, sql: str, params: tuple = ()) -> pd.DataFrame:
+        return pd.read_sql_query(sql, self._conn, params=params)
+
+    def _read_steps(self) -> tuple[pd.DataFrame, bool]:
+        s = self._query("SELECT step, loss, loss_scale, skipped, grad_norm, nan_mask FROM steps ORDER BY step")
+        mask = s.pop("nan_mask").to_numpy()
+        # The loss is "logged" when any row holds one, or NaN (SQLite keeps NaN as NULL plus a bit):
+        # an all-NaN loss is a run that was NaN from its first step, not one that never logged it.
+        has_loss = bool(s["loss"].notna().any() or (mask & STEP_NAN_BITS["loss"]).any())
+        for col, bit in STEP_NAN_BITS.items():
+            s[col] = s[col].astype(float).where((mask & bit) == 0, float("nan"))
+        s["loss_scale"] = s["loss_scale"].astype(float)
+        s["skipped"] = s["skipped"].astype(bool)
+        return s, has_loss
+
+    # -- small tables, read whole on first use -----------------------------------------------------
+
+    @cached_property
+    def events(self) -> pd.DataFrame:
+        return self._run.events
+
+    @cached_property
+    def tensors(self) -> pd.DataFrame:
+        return self._run.tensors
+
+    @cached_property
+    def notices(self) -> pd.DataFrame:
+        return self._run.notices
+
+    @cached_property
+    def norm_metrics(self) -> pd.DataFrame:
+        """Logged metrics whose key contains ``norm`` (any case): step, key, value."""
+        df = self._query("SELECT step, key, value FROM metrics WHERE key LIKE '%norm%' ORDER BY step, key")
+        df["value"] = df["value"].astype(float)
+        return df
+
+    # -- names ---------------------------------------------------------------------------------------
+
+    @cached_property
+    def _names(self) -> dict[int, str]:
+        return dict(zip(self.tensors["id"].astype(int), self.tensors["name"]))
+
+    def _ids(self, names: Iterable[str]) -> str:
+        """The tensor ids named ``names``, as a JSON array for ``IN (SELECT value FROM json_each(?))``."""
+        wanted = set(names)
+        return json.dumps([i for i, n in self._names.items() if n in wanted])
+
+    def _named(self, df: pd.DataFrame, id_col: str, as_col: str) -> pd.DataFrame:
+        df.insert(0, as_col, df.pop(id_col).map(self._names))
+        return df
+
+    def module_type(self, name: str) -> Optional[str]:
+        """The class of module ``name`` (e.g. ``Linear``), when the run recorded it."""
+        t = self.tensors
+        row = t[(t["kind"] == "module") & (t["name"] == name)] if len(t) else t
+        return row["type"].iloc[0] if len(row) and isinstance(row["type"].iloc[0], str) else None
+
+    def module_label(self, name: str) -> str:
+        """``h.0.mlp.fc (Linear)``: the name with its class, when the run recorded it."""
+        kind = self.module_type(name)
+        return f"{name} ({kind})" if kind else name
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def jump(self, first: int, last: int, pad: int = 10) -> tuple[int, int]:
+        return max(self.first_step, first - pad), min(self.last_step, last + pad)
+
+    def finding(self, id: str, severity: str, title: str, first: int, last: int, evidence: str, advice: str,
+                jump: Optional[tuple[int, int]] = None) -> Finding:
+        """A :class:`Finding` whose UI jump defaults to its steps with a little context."""
+        return Finding(id, severity, title, (int(first), int(last)), evidence, advice,
+                       jump or self.jump(int(first), int(last)))
+
+    @cached_property
+    def _scale(self) -> pd.Series:
+        return self.steps.set_index("step")["loss_scale"].astype(float)
+
+    def scale_at(self) -> pd.Series:
+        """The loss scale each step's gradients carried, indexed by step."""
+        return self._scale
+
+    def scales(self, steps: np.ndarray) -> np.ndarray:
+        """The loss scale at each of ``steps`` (NaN where the step has no row)."""
+        all_steps = self.steps["step"].to_numpy()
+        steps = np.asarray(steps, dtype=np.int64)
+        if not len(all_steps):
+            return np.full(len(steps), np.nan)
+        i = np.clip(np.searchsorted(all_steps, steps), 0, len(all_steps) - 1)
+        return np.where(all_steps[i] == steps, self.steps["loss_scale"].to_numpy(dtype=float)[i], np.nan)
+
+    def after_warmup(self) -> pd.DataFrame:
+        """Steps after the warm-up and before a diverged tail: where health is judged."""
+        start = self.warmup.last + 1 if self.warmup else self.first_step
+        s = self.steps
+        return s[(s["step"] >= start) & (s["step"] <= self.healthy_end)]
+
+    def _nan_tail_start(self) -> Optional[int]:
+        if not self.has_loss:
+            return None
+        finite = np.isfinite(self.steps["loss"].to_numpy(dtype=float))
+        n_bad = len(finite) - (int(np.flatnonzero(finite).max()) + 1 if finite.any() else 0)
+        if n_bad < NAN_TAIL_MIN:
+            return None
+        return int(self.steps["step"].iloc[len(finite) - n_bad])
+
+    def _warmup(self) -> Optional[Warmup]:
+        if not self.scaling:
+            return None
+        s = self.steps
+        step = s["step"].to_numpy()
+        scale = s["loss_scale"].to_numpy(dtype=float)
+        grows = np.flatnonzero(np.diff(scale) > 0)
+        first_growth = int(grows[0]) + 1 if len(grows) else len(scale)  # the first row whose scale grew
+        ev = self.events
+        bad_fwd = set(ev.loc[ev["phase"].isin(["forward", "loss"]), "step"]) if len(ev) else set()
+        taken: list[int] = []
+        for i in np.flatnonzero(s["skipped"].to_numpy()):
+            prev = int(step[taken[-1]]) if taken else self.first_step
+            if (int(step[i]) - prev > (WARMUP_FIRST_STEP if not taken else WARMUP_MAX_GAP) or i >= first_growth
+                    or int(step[i]) in bad_fwd or not scale[i] >= 1.0 or step[i] > self.healthy_end):
+                break
+            taken.append(int(i))
+        if not taken:
+            return None
+        skips = [int(step[i]) for i in taken]
+        after = scale[taken[-1] + 1] if taken[-1] + 1 < len(scale) else scale[taken[-1]] / 2
+        if not after < scale[0]:  # a warm-up is the scale backing off; without a drop it is something else
+            return None
+        return Warmup(self.first_step, skips[-1], skips, float(scale[0]), float(after))
+
+    def origins(self, steps: Any) -> pd.DataFrame:
+        """Where the non-finite values at ``steps`` were born, per (module, phase), most frequent first.
+
+        A non-finite loss counts only on steps without a module origin (it is usually their effect);
+        without localization, the parameters with non-finite gradients stand in."""
+        ev = self.events
+        if not len(ev):
+            return pd.DataFrame(columns=["module", "phase", "n", "first"])
+        ev = ev[ev["step"].isin(set(steps))]
+        born = ev[ev["origin"]]
+        loss = ev[(ev["phase"] == "loss") & ~ev["step"].isin(set(born["step"]))]
+        picked = pd.concat([born, loss]) if len(loss) else born
+        if not len(picked):
+            picked = ev[ev["phase"] == "param_grad"]
+        g = picked.groupby(["module", "phase"])["step"].agg(n="nunique", first="min").reset_index()
+        return g.sort_values(["n", "first"], ascending=[False, True]).reset_index(drop=True)
+
+    # -- the detail tables, one narrow query per question ---------------------------------------------
+
+    def scaled_grad_max(self, first: int, last: int, stop_above: Optional[float] = None) -> Optional[float]:
+        """Largest finite scaled gradient value in steps ``[first, last]``: each parameter gradient's
+        max |element| times its step's loss scale, and each module's backward max (recorded scaled).
+        None when nothing finite was recorded there.
+
+        With ``stop_above``, the first value found above it is returned instead of the maximum: a
+        caller that only needs "is it above?" then reads a few rows rather than the whole span."""
+        if stop_above is not None:
+            found = self._conn.execute(
+                f"SELECT l.grad_amax * s.loss_scale FROM layers l JOIN steps s ON s.step = l.step"
+                f" WHERE l.step BETWEEN ? AND ? AND (l.nan_mask & ?) = 0 AND l.grad_amax * s.loss_scale > ?"
+                f" AND l.param_id IN (SELECT id FROM tensors)"
+                f" AND l.grad_amax * s.loss_scale {_FINITE} LIMIT 1",
+                (first, last, LAYER_NAN_BITS["grad_amax"], stop_above)).fetchone() or self._conn.execute(
+                f"SELECT amax FROM modules WHERE step BETWEEN ? AND ? AND phase = 1 AND amax > ? AND amax {_FINITE}"
+                f" AND module_id IN (SELECT id FROM tensors) LIMIT 1", (first, last, stop_above)).fetchone()
+            if found:
+                return float(found[0])
+        values = []
+        # One positive scale per step: the step's largest gradient gives its largest product.
+        per_step = self._query(f"SELECT step, MAX(grad_amax) AS amax FROM layers WHERE step BETWEEN ? AND ?"
+                               f" AND (nan_mask & ?) = 0 AND grad_amax {_FINITE}"
+                               f" AND param_id IN (SELECT id FROM tensors) GROUP BY step",
+                               (first, last, LAYER_NAN_BITS["grad_amax"]))
+        scaled = per_step["amax"].to_numpy(dtype=float) * self.scales(per_step["step"].to_numpy())
+        scaled = scaled[np.isfinite(scaled)]
+        if len(scaled):
+            values.append(float(scaled.max()))
+        back, = self._conn.execute(f"SELECT MAX(amax) FROM modules WHERE step BETWEEN ? AND ? AND phase = 1"
+                                   f" AND amax {_FINITE} AND module_id IN (SELECT id FROM tensors)",
+                                   (first, last)).fetchone()
+        if back is not None:
+            values.append(float(back))
+        return max(values) if values else None
+
+    def measured_grads(self, first: Optional[int], last: int, names: Iterable[str],
+                       min_zero_frac: Optional[float] = None) -> pd.DataFrame:
+        """Rows of parameters ``names`` in steps ``[first, last]`` (``first`` None: from the start)
+        with a finite gradient max and a measured zero fraction, in step order: name, step,
+        grad_amax, grad_zero_frac. ``min_zero_frac`` keeps only rows with at least that fraction."""
+        # SQLite tests the terms in the order written: the rare one first, the id list last.
+        rare, rare_params = ("grad_zero_frac >= ? AND ", (min_zero_frac,)) if min_zero_frac is not None else ("", ())
+        df = self._query(f"SELECT param_id, step, grad_amax, grad_zero_frac FROM layers"
+                         f" WHERE {rare}step BETWEEN ? AND ? AND (nan_mask & ?) = 0 AND grad_amax {_FINITE} AND grad_zero_frac IS NOT NULL"
+                         f" AND param_id IN (SELECT value FROM json_each(?)) ORDER BY step, param_id",
+                         rare_params + (_NO_STEP if first is None else first, last, LAYER_NAN_BITS["grad_amax"],
+                                        self._ids(names)))
+        df[["grad_amax", "grad_zero_frac"]] = df[["grad_amax", "grad_zero_frac"]].astype(float)
+        return self._named(df, "param_id", "name")
+
+    def modules_reaching(self, amax: float, last: int, names: Iterable[str]) -> dict[str, int]:
+        """How many finite forward rows of modules ``names`` up to step ``last`` reach ``amax``, by name."""
+        df = self._query("SELECT module_id, COUNT(*) AS n FROM modules WHERE amax >= ? AND phase = 0 AND nonfinite = 0"
+                         " AND step <= ? AND module_id IN (SELECT value FROM json_each(?))"
+                         " GROUP BY module_id", (amax, last, self._ids(names)))
+        counts = self._named(df, "module_id", "module").groupby("module")["n"].sum()
+        return {str(k): int(v) for k, v in counts.items()}
+
+    def forward_activations(self, last: int, names: Iterable[str]) -> pd.DataFrame:
+        """Forward rows of modules ``names`` up to step ``last`` without non-finite values, in step
+        order: module, step, amax."""
+        df = self._query("SELECT module_id, step, amax FROM modules WHERE phase = 0 AND nonfinite = 0"
+                         " AND step <= ? AND module_id IN (SELECT value FROM json_each(?))"
+                         " ORDER BY step, module_id", (last, self._ids(names)))
+        df["amax"] = df["amax"].astype(float)
+        return self._named(df, "module_id", "module")
+
+    def last_param_norms(self, prefix: str, step: int) -> dict[str, list[tuple[int, float]]]:
+        """The last two recorded (step, parameter norm) of each parameter named ``prefix...`` up to
+        ``step``, oldest first, by name; NaN for a non-finite norm.
+
+        Reads backwards from ``step`` and stops once every parameter has two."""
+        if (prefix, step) in self._norms:
+            return self._norms[prefix, step]
+        names = {n for n in self.tensors.loc[self.tensors["kind"] == "param", "name"] if n.startswith(prefix)}
+        found: dict[str, list[tuple[int, float]]] = {}
+        self._norms[prefix, step] = found
+        if not names:
+            return found
+        # grad_zero_frac is present exactly when the step's detail (and so param_norm) was measured:
+        # a missing norm must not read as a NaN one.
+        cur = self._conn.execute("SELECT param_id, step, CASE WHEN nan_mask & ? THEN NULL ELSE param_norm END"
+                                 " FROM layers WHERE param_id IN (SELECT value FROM json_each(?)) AND step <= ?"
+                                 " AND grad_zero_frac IS NOT NULL ORDER BY step DESC, param_id DESC",
+                                 (LAYER_NAN_BITS["param_norm"], self._ids(names), step))
+        full = 0
+        for pid, at, norm in cur:
+            rows = found.setdefault(self._names[pid], [])
+            if len(rows) < 2:
+                rows.insert(0, (int(at), float("nan") if norm is None else float(norm)))
+                full += len(rows) == 2
+                if full == len(names):
+                    break
+        cur.close()
+        return found

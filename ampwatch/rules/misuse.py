@@ -1,0 +1,102 @@
+"""Rules about how the scaler is used: bf16 with a scaler, fp16 without one, clipping scaled
+gradients, and the misuse the recorder noticed while recording."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..doctor import Finding, num, span
+from .facts import Facts
+
+
+# Clipping still-scaled gradients: a logged norm that is the scale times the true norm (within 2x)
+# on most steps; the scale must be large enough (16) that "x scale" cannot be noise.
+CLIP_RATIO_BAND = (0.5, 2.0)
+CLIP_MIN_SCALE = 16.0
+CLIP_MIN_STEPS = 5
+
+
+def misuse_config(facts: Facts) -> list[Finding]:
+    """Scaler with bf16 (unnecessary), fp16 without a scaler, a scaler without autocast."""
+    info, out = facts.info, []
+    if not len(facts.steps):
+        return [facts.finding(
+            "no-steps", "info", "No optimizer steps were recorded", 0, 0, "the steps table is empty",
+            "With a GradScaler a step is counted at scaler.update(); without one at optimizer.step(). "
+            "Check the loop calls them, or that the run has started.", jump=(0, 0))]
+    first, last = facts.first_step, facts.last_step
+    dtype, scaler = info.get("amp_dtype"), info.get("scaler_enabled")
+    if scaler and dtype == "bfloat16":
+        skipped = int(facts.steps["skipped"].sum())
+        out.append(facts.finding(
+            "misuse-scaler-bf16", "warning", "GradScaler used with bfloat16 autocast: not needed", first, last,
+            f"amp_dtype=bfloat16 with an enabled GradScaler; {skipped:,} step(s) skipped",
+            "bf16 has fp32's exponent range, so loss scaling buys nothing and costs skipped steps: "
+            "drop the scaler (loss.backward(); optimizer.step()) or GradScaler(enabled=False).",
+            jump=(first, last)))
+    if dtype == "float16" and not scaler:
+        out.append(facts.finding(
+            "misuse-fp16-no-scaler", "warning", "fp16 autocast without a GradScaler",
+            first, last, "amp_dtype=float16 and no enabled GradScaler",
+            "Small gradients underflow to zero in fp16: use scaler = torch.amp.GradScaler(device); "
+            "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update() "
+            "(or bf16 autocast).",
+            jump=(first, last)))
+    if scaler and not dtype:
+        out.append(facts.finding(
+            "misuse-scaler-no-autocast", "info", "GradScaler enabled but no autocast was seen",
+            first, last, "no autocast region was active at the model's first forward",
+            "In fp32 a GradScaler is not needed; if you meant mixed precision, wrap the forward in "
+            "torch.autocast(device_type, dtype=torch.float16).", jump=(first, last)))
+    return out
+
+
+def misuse_clip_scaled(facts: Facts) -> list[Finding]:
+    """Warning: a logged gradient norm equals scale x the true norm: clipping before unscale_."""
+    if not facts.scaling or not len(facts.norm_metrics):
+        return []
+    m = facts.norm_metrics
+    if len(facts.notices) and (facts.notices["code"] == "clip-before-unscale").any():
+        return []  # the recorder saw it directly: misuse_notices reports it, once
+    s = facts.steps[~facts.steps["skipped"]].set_index("step")
+    out = []
+    for key, g in m[m["key"].str.contains("norm", case=False)].groupby("key"):
+        g = g[g["step"].isin(s.index)]
+        scale, true = g["step"].map(s["loss_scale"]).astype(float), g["step"].map(s["grad_norm"]).astype(float)
+        ok = (scale >= CLIP_MIN_SCALE) & np.isfinite(true) & (true > 0) & np.isfinite(g["value"])
+        ratio = (g["value"] / (true * scale))[ok]
+        if len(ratio) < CLIP_MIN_STEPS:
+            continue
+        inside = ratio.between(*CLIP_RATIO_BAND).mean()
+        if inside >= 0.5:
+            steps = g.loc[ok, "step"]
+            clip = facts.info.get("config", {}).get("max_grad_norm")
+            out.append(facts.finding(
+                "misuse-clip-scaled", "warning", "Gradients were clipped while still scaled",
+                int(steps.min()), int(steps.max()),
+                f"logged '{key}' is {ratio.median():.3g} x scale x the true gradient norm on {inside:.0%} of "
+                f"{len(ratio):,} steps (e.g. {num(float(g.loc[ok, 'value'].iloc[0]))} at scale "
+                f"{num(float(scale[ok].iloc[0]))}, true norm {num(float(true[ok].iloc[0]))})",
+                "Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_: on scaled gradients "
+                f"max_norm{'=' + str(clip) if clip else ''} clips scale-times too hard and training barely moves."))
+    return out
+
+
+def misuse_notices(facts: Facts) -> list[Finding]:
+    """Warnings for misuse the recorder noticed while recording (notices table)."""
+    n = facts.notices
+    if not len(n):
+        return []
+    advice = {"step-without-update": "Call scaler.update() once after every scaler.step(optimizer); without it "
+                                     "the scale never adapts and the scaler refuses the next step.",
+              "clip-before-unscale": "Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_: on "
+                                     "scaled gradients max_norm clips scale-times too hard."}
+    out = []
+    for code, g in n.groupby("code", sort=False):
+        steps = [int(x) for x in g["step"].dropna()] or [facts.first_step]
+        first, last = min(steps), max(steps)
+        out.append(facts.finding(
+            f"misuse-{code}", "warning", str(g["message"].iloc[0]), first, last,
+            f"recorder notice '{code}' at {len(g):,} step(s): {span(first, last)}",
+            advice.get(code, "See the message: the recorder saw the training loop use the scaler "
+                             "in an unexpected order."), jump=facts.jump(first, last)))
+    return out

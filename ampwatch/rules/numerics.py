@@ -1,0 +1,181 @@
+"""Rules about fp16's range: gradients underflowing to zero, activations near 65504, and where
+NaN/Inf was born."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ..doctor import FP16_MAX, Finding, num, span
+from .facts import Facts
+from .origins import origin_advice
+
+# Gradient underflow: a row is "at low scale" when its largest scaled gradient element is below 1:
+# fp16 has only 24 binary orders of magnitude below 1 before flushing to zero, and a gradient's
+# elements spread over many orders below their maximum. Healthy fp16 runs at a normal scale have
+# <1% exactly-zero elements apart from structural zeros (dead ReLU units, unused embedding rows),
+# which we subtract: the same parameter's zero fraction at normal scale. 20 percentage points more
+# zeros, and at least a quarter of the tensor, is a fifth of the gradient signal gone.
+UNDERFLOW_SCALED_AMAX = 1.0
+UNDERFLOW_EXCESS = 0.20
+UNDERFLOW_MIN_FRAC = 0.25
+
+# Activation headroom: fp16 activations within 4x of 65504 (the issue's "factor of 2-4") on at
+# least 3 recorded detail rows in a row (3 x layer_every steps by default): one larger batch or a
+# little weight growth away from inf. Healthy runs sit orders of magnitude below (max ~10-1000).
+HEADROOM_FACTOR = 4.0
+HEADROOM_MIN_ROWS = 3
+
+# Modules that compute in fp32 under autocast, so their outputs are not fp16 activations.
+FP32_MODULE_TYPES = {"LayerNorm", "GroupNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+                     "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Softmax", "LogSoftmax",
+                     "Embedding", "EmbeddingBag", "CrossEntropyLoss", "MSELoss", "NLLLoss"}
+
+
+def _scaled_amax(facts: Facts, rows: pd.DataFrame) -> np.ndarray:
+    """Each row's largest gradient element as the scaler left it (a step without a scale: unscaled)."""
+    scale = facts.scales(rows["step"].to_numpy()) if facts.scaling else np.ones(len(rows))
+    return rows["grad_amax"].to_numpy(dtype=float) * np.where(np.isnan(scale), 1.0, scale)
+
+
+def grad_underflow(facts: Facts) -> list[Finding]:
+    """Warning: many more exactly-zero gradient elements at low scale than at normal scale."""
+    if not facts.fp16:
+        return []
+    t = facts.tensors
+    trainable = set(t.loc[(t["kind"] == "param") & (t["trainable"].fillna(1) == 1), "name"])
+    first = facts.warmup.last + 1 if facts.warmup else None
+    # A parameter's low-scale median reaches UNDERFLOW_MIN_FRAC only if one of its low-scale rows
+    # does: find those few rows first, then read the whole history of just those parameters.
+    rows = facts.measured_grads(first, facts.healthy_end, trainable, min_zero_frac=UNDERFLOW_MIN_FRAC)
+    suspects = set(rows.loc[_scaled_amax(facts, rows) < UNDERFLOW_SCALED_AMAX, "name"])
+    if not suspects:
+        return []
+    rows = facts.measured_grads(first, facts.healthy_end, suspects)
+    rows["low"] = _scaled_amax(facts, rows) < UNDERFLOW_SCALED_AMAX
+    hits = []
+    for name, g in rows.groupby("name", sort=False):
+        low, normal = g[g["low"]], g[~g["low"]]
+        if not len(low):
+            continue
+        frac = float(low["grad_zero_frac"].median())
+        base = float(normal["grad_zero_frac"].median()) if len(normal) else 0.0
+        if frac >= UNDERFLOW_MIN_FRAC and frac - base >= UNDERFLOW_EXCESS:
+            hits.append((frac - base, name, frac, base, low, len(normal) > 0))
+    if not hits:
+        return []
+    hits.sort(key=lambda h: -h[0])
+    _, name, frac, base, low, has_base = hits[0]
+    first, last = int(low["step"].min()), int(low["step"].max())
+    others = ", ".join(h[1] for h in hits[1:4])
+    scale_txt = num(float(facts.scale_at()[first])) if facts.scaling else "1 (no scaler)"
+    return [facts.finding(
+        "grad-underflow", "warning",
+        f"Gradients underflow to zero at low loss scale ({len(hits)} parameter(s), worst {name})",
+        first, last,
+        f"{name}: {frac:.0%} of gradient elements exactly zero at low scale (median over {len(low)} "
+        f"recorded steps, scale {scale_txt} at step {first:,}) against "
+        + (f"{base:.0%} at normal scale" if has_base else "no step at a normal scale to compare with")
+        + (f"; also {others}" if others else ""),
+        ("Use a GradScaler (torch.amp.GradScaler) so gradients are scaled into fp16's range."
+         if not facts.scaling else
+         "Raise the loss scale: init_scale=2**16 and the default growth_interval=2000; if the scale "
+         "collapsed first, fix that overflow (see scale-collapse)."))]
+
+
+def _leaf_modules(facts: Facts) -> set[str]:
+    """Modules without children that do not compute in fp32 under autocast."""
+    mods = facts.tensors[facts.tensors["kind"] == "module"]
+    parents = {n.rsplit(".", 1)[0] for n in mods["name"] if "." in n}
+    return {n for n, t in zip(mods["name"], mods["type"])
+            if n not in parents and n != "<model>" and t not in FP32_MODULE_TYPES}
+
+
+def activation_headroom(facts: Facts) -> list[Finding]:
+    """Warning: a leaf module's fp16 activations within HEADROOM_FACTOR of 65504, sustained."""
+    if not facts.fp16:
+        return []
+    limit = FP16_MAX / HEADROOM_FACTOR
+    # HEADROOM_MIN_ROWS rows in a row need at least that many rows at the limit: count those in
+    # SQLite, then read the forward history of just the modules that have enough.
+    reaching = facts.modules_reaching(limit, facts.healthy_end, _leaf_modules(facts))
+    suspects = {name for name, n in reaching.items() if n >= HEADROOM_MIN_ROWS}
+    if not suspects:
+        return []
+    fwd = facts.forward_activations(facts.healthy_end, suspects)
+    hits = []
+    for name, g in fwd.groupby("module", sort=False):
+        near = (g["amax"].astype(float) >= limit).to_numpy()
+        best, cur, start, best_start = 0, 0, 0, 0
+        for i, flag in enumerate(near):
+            cur = cur + 1 if flag else 0
+            if cur == 1:
+                start = i
+            if cur > best:
+                best, best_start = cur, start
+        if best >= HEADROOM_MIN_ROWS:
+            rows = g.iloc[best_start:best_start + best]
+            hits.append((float(rows["amax"].max()), name, rows))
+    if not hits:
+        return []
+    hits.sort(key=lambda h: -h[0])
+    peak, name, rows = hits[0]
+    first, last = int(rows["step"].iloc[0]), int(rows["step"].iloc[-1])
+    others = ", ".join(h[1] for h in hits[1:4])
+    return [facts.finding(
+        "activation-headroom", "warning",
+        f"Activations of {name} are within {FP16_MAX / peak:.1f}x of the fp16 limit",
+        first, last,
+        f"max |output| of {name} up to {num(round(peak))} against fp16's 65,504 on {len(rows)} recorded "
+        f"steps in a row ({span(first, last)})" + (f"; also {others}" if others else ""),
+        f"{name} will overflow to inf with a little more growth: keep it in fp32 (autocast disabled for "
+        f"it), switch to bf16 autocast, or rescale it (a normalization before it, smaller init or "
+        f"weight decay on the layer feeding it).")]
+
+
+def _serious_events(facts: Facts) -> pd.DataFrame:
+    """Events the scaler cannot absorb: forward/loss ones anywhere, gradient ones without a scaler or
+    at a scale <= 1 (a scaled gradient overflow at a normal scale is the scaler's everyday job)."""
+    ev = facts.events
+    if not len(ev):
+        return ev
+    if facts.warmup:
+        ev = ev[~ev["step"].isin(facts.warmup.skips)]
+    fwd = (ev["phase"] == "forward") & ev["origin"]
+    loss = ev["phase"] == "loss"
+    grad = ((ev["phase"] == "backward") & ev["origin"]) | (ev["phase"] == "param_grad")
+    if facts.scaling:
+        grad &= ev["step"].map(facts.scale_at()).fillna(np.inf) <= 1.0
+    return ev[fwd | loss | grad]
+
+
+_PHASE_RANK = {"forward": 0, "backward": 1, "loss": 2, "param_grad": 3}
+
+
+def nonfinite_origin(facts: Facts) -> list[Finding]:
+    """Error: the first step where NaN/Inf was born (outside warm-up): module, phase, kind."""
+    ev = _serious_events(facts)
+    if not len(ev):
+        return []
+    first = int(ev["step"].min())
+    at_first = ev[ev["step"] == first].copy()
+    at_first["rank"] = at_first["phase"].map(_PHASE_RANK)
+    e = at_first.sort_values(["rank"]).iloc[0]
+    module, phase = e["module"], e["phase"]
+    bad_steps = sorted(set(int(s) for s in ev["step"]))
+    same = ev[(ev["module"] == module) & (ev["phase"] == phase)]["step"].nunique()
+    label = facts.module_label(module)
+    what = {"forward": f"the forward output of {label}", "backward": f"the gradient {label} passes back",
+            "loss": "the loss", "param_grad": f"the gradient of parameter {module}"}[phase]
+    count = f"{int(e['count']):,} " if pd.notna(e["count"]) else ""
+    dtype = f", {e['dtype']}" if isinstance(e["dtype"], str) else ""
+    extra, advice = origin_advice(facts, module, phase, first, e["kind"])
+    evidence = (f"step {first:,}: {what} holds {count}{e['kind']} value(s){dtype}"
+                + (" while its inputs were finite" if e["origin"] else "")
+                + f"; non-finite values at {len(bad_steps):,} step(s) ({span(bad_steps[0], bad_steps[-1])}),"
+                  f" {same:,} of them born in the same place" + extra)
+    kind = {"nan": "NaN", "inf": "Inf"}.get(e["kind"], "NaN/Inf")
+    cls = facts.module_type(module)
+    title = (f"Loss became {kind} at step {first:,}" if phase == "loss" else
+             f"{kind} born in {module} ({cls + ', ' if cls else ''}{phase}) at step {first:,}")
+    return [facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice + ".",
+                          jump=facts.jump(first, first))]
