@@ -19,7 +19,7 @@ from ampwatch import dashdata
 from ampwatch.errors import RunError
 from ampwatch.reader import RUN_SUFFIXES
 
-AUTO_DOCTOR_STEPS = 100_000  # bigger runs get the doctor on request (see overview.py)
+AUTO_DOCTOR_STEPS = 1_000_000  # ~5 s of doctor at 1M steps (bench/doctor.py); bigger runs ask first
 SEVERITY_ICON = {"error": ":material/error:", "warning": ":material/warning:", "info": ":material/info:"}
 
 
