@@ -62,7 +62,8 @@ def summary(path: str) -> None:
     click.echo(f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)")
     click.echo(f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}")
     click.echo(f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}")
-    click.echo(f"nonfinite first at step {_fmt(s['first_nonfinite_step'])}")
+    click.echo(f"nonfinite first at step {_fmt(s['first_nonfinite_step'])}  "
+               f"(loss first NaN/inf at step {_fmt(s['first_nonfinite_loss_step'])})")
     click.echo(f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
                f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}")
 

@@ -28,6 +28,15 @@ def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame] = N
     return min(candidates) if candidates else None
 
 
+def _first_nonfinite(steps: pd.DataFrame, col: str) -> Optional[int]:
+    if not len(steps):
+        return None
+    values = steps[col].astype(float)
+    # as in first_nonfinite_step: a column never measured (no loss logged) is not evidence of NaN
+    bad = steps["step"][~np.isfinite(values)] if values.notna().any() else []
+    return int(bad.min()) if len(bad) else None
+
+
 def summarize(run: Any) -> dict[str, Any]:
     """Steps, skips, loss/scale/grad-norm figures and status of a :class:`ampwatch.Run`."""
     info, steps = run.info, run.steps
@@ -47,6 +56,8 @@ def summarize(run: Any) -> dict[str, Any]:
         "scale_min": float(scale.min()) if len(scale) else None,
         "scale_final": float(scale.iloc[-1]) if len(scale) else None,
         "first_nonfinite_step": first_nonfinite_step(steps, run.events),
+        # the loss alone: gradient overflow during the scaler's warm-up is normal, a NaN loss is not
+        "first_nonfinite_loss_step": _first_nonfinite(steps, "loss"),
         "grad_norm_p50": float(norms.quantile(0.5)) if len(norms) else None,
         "grad_norm_p90": float(norms.quantile(0.9)) if len(norms) else None,
         "grad_norm_p99": float(norms.quantile(0.99)) if len(norms) else None,

@@ -95,3 +95,14 @@ def test_demo_regenerates_a_sample(tmp_path):
     committed = ampwatch.load(SAMPLES / "bf16_noscaler.sqlite").steps
     # deterministic: fixed seeds, one thread -> the same training numbers
     assert list(fresh["loss"]) == list(committed["loss"])
+
+
+def test_summary_separates_loss_nan_from_warmup_gradient_overflow():
+    # ground truth from SQLite: a NaN loss is stored as NULL with bit 1 of nan_mask set
+    for name in ("diverged", "healthy_fp16"):
+        path = SAMPLES / f"{name}.sqlite"
+        first_bad_loss = _sql(path, "SELECT MIN(step) FROM steps WHERE (nan_mask & 1) OR abs(loss) > 1e308")[0]
+        out = CliRunner().invoke(cli, ["summary", str(path)]).output
+        expected = "-" if first_bad_loss is None else str(first_bad_loss)
+        assert f"(loss first NaN/inf at step {expected})" in out
+    assert first_bad_loss is None  # healthy: only its warm-up gradients overflowed
