@@ -92,7 +92,7 @@ def _scale_traces(fig: go.Figure, s: pd.DataFrame, changes: pd.DataFrame) -> Non
 
 
 def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = None) -> go.Figure:
-    """Layers x steps heatmap of one metric (log10 colour by default); non-finite cells as black x."""
+    """Layers x steps heatmap of one metric (log10 colour by default); non-finite cells in red."""
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(grid.values > 0, np.log10(grid.values), np.nan) if log_color else grid.values
     label = f"log10 {grid.metric}" if log_color else grid.metric

@@ -31,7 +31,7 @@ if view == "Gradient heatmap":
     log = st.toggle("log colour scale", value=metric != "grad_zero_frac", key="layers_log")
     st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
     st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {grid.width:,} step(s): "
-               f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf gradient (black x).")
+               f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf gradient (red).")
     table = grid_frame(grid)
     shared.download(table, f"{path.stem}_{metric}_heatmap.csv")
 elif view == "fp16 headroom":
