@@ -7,6 +7,7 @@ median step time per variant and the median over rounds of the paired ratio vari
     python bench/overhead.py --workload mlp --rounds 30 --steps 20
     python bench/overhead.py --workload gpt --rounds 5 --steps 2      # the reference transformer
     python bench/overhead.py --workload mlp --variants base,ampwatch,duo,anomaly
+    python bench/overhead.py --lightning --workload gpt-small --rounds 12 --steps 20   # the Lightning callback
 
 Workloads: ``gpt`` = GPT-like, 4 layers, d_model 256, seq 128, batch 16 (issue 2's reference);
 ``gpt-small`` = 2 layers, d_model 128, seq 64, batch 8; ``mlp`` = 3-layer MLP (64-128-128-10),
@@ -105,7 +106,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default="base,ampwatch,ampwatch_layer_every_1,ampwatch_no_localize,duo,anomaly")
+    ap.add_argument("--lightning", action="store_true",
+                    help="measure the Lightning callback instead (runs bench/overhead_lightning.py)")
     args = ap.parse_args()
+    if args.lightning:  # same flags; the Lightning loop lives in its own script
+        import runpy
+        import sys
+        sys.argv = [str(Path(__file__).with_name("overhead_lightning.py")), "--rounds", str(args.rounds),
+                    "--steps", str(args.steps), "--workload", "mlp" if args.workload == "mlp" else "gpt-small"]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return
     torch.set_num_threads(1)
     import ampwatch.recorder  # noqa: F401  (installs ampwatch's log handler, which we then quieten)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)  # one "recording to" line per block is noise
