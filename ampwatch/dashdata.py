@@ -8,7 +8,7 @@ Buckets are walked as ranges of the primary key, so no query sorts the whole tab
 ``step / width`` would sort every row first (6 s on 10M layer rows, bench/dashboard.py).
 
 Every function opens the file read-only through :func:`ampwatch.reader.connect` and returns plain
-pandas/numpy data; no Streamlit, no Plotly.
+pandas/numpy data; no Streamlit, no Plotly. Per-layer and per-module data: :mod:`ampwatch.layerdata`.
 """
 from __future__ import annotations
 
@@ -29,9 +29,6 @@ from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # About one point per horizontal pixel of a wide chart; each bucket contributes up to ~10 rows.
 STEP_BUCKETS = 2000
-# Heatmap columns. Each is one small GROUP BY over a primary-key range; ~1000 is the fastest split
-# of 10M layer rows (fewer buckets mean bigger sorts, more mean more queries: bench/dashboard.py).
-LAYER_BUCKETS = 1000
 # Skipped / non-finite steps are returned one by one up to this many; past it (a run that skips
 # half its steps) the first and last of each bucket are kept, which still marks every bucket with one.
 EXACT_LIMIT = 50_000
@@ -297,151 +294,3 @@ def step_detail(path: Any, step: int) -> dict[str, Any]:
 
 
 # -- layers and modules -----------------------------------------------------------------------------
-
-LAYER_METRICS = ("grad_norm", "grad_amax", "param_norm", "grad_zero_frac")
-# Zero-gradient fractions are averaged over at most this many evenly spaced detail steps: a mean
-# needs no exhaustive scan (unlike a max, which the heatmap takes over every row).
-ZERO_FRAC_SAMPLES = 1000
-
-
-@dataclass
-class LayerGrid:
-    """A layers x step-buckets grid of one metric: the max over each bucket, non-finite cells marked."""
-    names: list[str]
-    metric: str
-    bucket_starts: np.ndarray           # first step of each column
-    width: int                          # steps per column (1: each column is one recorded step)
-    values: np.ndarray                  # (layers, columns); NaN = no row (or non-finite: see ``nonfinite``)
-    nonfinite: np.ndarray               # (layers, columns) bool: a NaN/inf gradient somewhere in the bucket
-
-
-def _param_names(conn: sqlite3.Connection) -> pd.DataFrame:
-    return _df(conn, "SELECT id, name FROM tensors WHERE kind = 'param' ORDER BY id")
-
-
-def _layer_span(conn: sqlite3.Connection, start: Optional[int], end: Optional[int]) -> tuple[Optional[int], Optional[int]]:
-    lo, hi = conn.execute("SELECT (SELECT MIN(step) FROM layers), (SELECT MAX(step) FROM layers)").fetchone()
-    if lo is None:
-        return None, None
-    return (lo if start is None else max(lo, int(start))), (hi if end is None else min(hi, int(end)))
-
-
-def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = None, end: Optional[int] = None,
-                  buckets: int = LAYER_BUCKETS) -> LayerGrid:
-    """Per-layer ``metric`` (one of LAYER_METRICS) as a layers x buckets grid, max per bucket.
-
-    One small GROUP BY per primary-key range (no sort of the whole table). In columns holding a
-    step whose total grad norm is NaN/inf (found in ``steps``), a non-finite gradient folds in as
-    +inf so the max keeps it and the cell is marked; other columns take the plain, cheaper MAX.
-    """
-    if metric not in LAYER_METRICS:
-        raise ValueError(f"metric must be one of {LAYER_METRICS}, not {metric!r}")
-    where = " FROM layers WHERE step >= ? AND step < ? AND step <= ? GROUP BY param_id"
-    plain = f"SELECT ?, param_id, MAX({metric})" + where
-    value = "grad_norm" if metric == "grad_norm" else f"CASE WHEN abs(grad_norm) > {_INF} THEN 9e999 ELSE {metric} END"
-    flagged = (f"SELECT ?, param_id, MAX(CASE WHEN nan_mask & {LAYER_NAN_BITS['grad_norm']} OR grad_nonfinite > 0"
-               f" THEN 9e999 ELSE {value} END)" + where)
-    with open_run(path) as conn:
-        names = _param_names(conn)
-        start, end = _layer_span(conn, start, end)
-        if start is None or end < start:
-            return LayerGrid(names["name"].tolist(), metric, np.array([], dtype=np.int64), 1,
-                             np.full((len(names), 0), np.nan), np.zeros((len(names), 0), dtype=bool))
-        every = conn.execute("SELECT layer_every FROM run").fetchone()[0] or 1
-        if (end - start + 1) / every <= buckets:
-            # Few enough detail steps to show each as its own column (no empty stripes between them).
-            cols = np.array([r[0] for r in conn.execute(
-                "SELECT step FROM layers WHERE step BETWEEN ? AND ? GROUP BY step", (start, end))], dtype=np.int64)
-            width = 1
-        else:  # a column is at least layer_every steps wide, so none is empty
-            width = max(every, math.ceil((end - start + 1) / buckets))
-            cols = start + width * np.arange(math.ceil((end - start + 1) / width))
-        bounds = np.append(cols[1:], end + 1) if width == 1 else cols + width
-        # A NaN/inf layer gradient makes the step's total norm NaN/inf (it is their root sum of squares).
-        bad_steps = np.array([r[0] for r in conn.execute(
-            f"SELECT step FROM steps WHERE step BETWEEN ? AND ? AND ((nan_mask & {STEP_NAN_BITS['grad_norm']}) != 0"
-            f" OR abs(grad_norm) > {_INF})", (start, end))], dtype=np.int64)
-        bad_cols = set((np.searchsorted(cols, bad_steps, side="right") - 1).tolist())
-        rows = [r for i, (lo, hi) in enumerate(zip(cols.tolist(), bounds.tolist()))
-                for r in conn.execute(flagged if i in bad_cols else plain, (i, lo, hi, end)).fetchall()]
-    data = pd.DataFrame(rows, columns=["col", "pid", "value"]).to_numpy(dtype=float, na_value=math.nan)
-    data = data.reshape(-1, 3)
-    ids = names["id"].to_numpy(dtype=np.int64)  # sorted: ORDER BY id
-    r = np.searchsorted(ids, data[:, 1].astype(np.int64)).clip(0, max(len(ids) - 1, 0))
-    known = ids[r] == data[:, 1] if len(ids) else np.zeros(len(data), dtype=bool)
-    r, c, v = r[known], data[known, 0].astype(np.int64), data[known, 2]
-    values = np.full((len(ids), len(cols)), np.nan)
-    values[r, c] = v
-    bad = np.isinf(values)
-    values[bad] = np.nan
-    return LayerGrid(names["name"].tolist(), metric, cols, width, values, bad)
-
-
-def grid_frame(grid: LayerGrid) -> pd.DataFrame:
-    """The grid as long rows (layer, first step of the column, value, nonfinite) for CSV export."""
-    n, m = grid.values.shape
-    return pd.DataFrame({"layer": np.repeat(grid.names, m), "step_from": np.tile(grid.bucket_starts, n),
-                         "steps": grid.width, f"max_{grid.metric}": grid.values.ravel(),
-                         "nonfinite": grid.nonfinite.ravel()})
-
-
-def zero_grad_fraction(path: Any, start: Optional[int] = None, end: Optional[int] = None,
-                       samples: int = ZERO_FRAC_SAMPLES) -> pd.DataFrame:
-    """Per layer: mean and max fraction of exactly-zero gradient elements (underflow), and the
-    number of detail steps it is taken over (every one when there are at most ``samples``)."""
-    with open_run(path) as conn:
-        names = _param_names(conn)
-        start, end = _layer_span(conn, start, end)
-        steps: list[int] = []
-        if start is not None:
-            # Evenly spaced targets, each moved to the next detail step by one primary-key seek.
-            targets = np.unique(np.linspace(start, end, samples).astype(np.int64)).tolist()
-            seek = "SELECT MIN(step) FROM layers WHERE step >= ? AND step <= ? AND grad_zero_frac IS NOT NULL"
-            steps = sorted({s for t in targets for s in conn.execute(seek, (t, end)).fetchone() if s is not None})
-        df = _df(conn, "SELECT param_id AS id, grad_zero_frac FROM layers WHERE step IN"
-                       " (SELECT value FROM json_each(?)) AND grad_zero_frac IS NOT NULL", (json.dumps(steps),))
-    agg = df.groupby("id")["grad_zero_frac"].agg(["mean", "max", "count"])
-    out = names.merge(agg, left_on="id", right_index=True, how="left")
-    out = out.rename(columns={"name": "layer", "mean": "zero_frac_mean", "max": "zero_frac_max",
-                              "count": "detail_steps"})
-    out["detail_steps"] = out["detail_steps"].fillna(0).astype(int)
-    return out.drop(columns=["id"])
-
-
-def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] = None,
-                    buckets: int = LAYER_BUCKETS) -> pd.DataFrame:
-    """Per module and phase: max |value| seen, the dtype's limit and the headroom factor (limit / amax).
-
-    The limit is the run's autocast dtype (float16: 65504). Backward amax is the *scaled* gradient,
-    which is what overflows.
-    """
-    with open_run(path) as conn:
-        info = run_info(conn)
-        lo, hi = conn.execute("SELECT (SELECT MIN(step) FROM modules), (SELECT MAX(step) FROM modules)").fetchone()
-        names = _df(conn, "SELECT id AS module_id, name AS module, type FROM tensors WHERE kind = 'module'")
-        cols = ["module", "type", "phase", "amax", "nonfinite_steps", "limit", "headroom"]
-        if lo is None:
-            return pd.DataFrame(columns=cols)
-        start = lo if start is None else max(lo, int(start))
-        end = hi if end is None else min(hi, int(end))
-        width = max(1, math.ceil((end - start + 1) / buckets))
-        # MAX only, one integer key: the per-bucket sort is the cost (15M rows: ~4 s, bench/dashboard.py).
-        sql = ("SELECT module_id * 2 + phase, MAX(amax) FROM modules WHERE step >= ? AND step < ? AND step <= ?"
-               " GROUP BY 1")
-        parts = [conn.execute(sql, (lo_, lo_ + width, end)).fetchall() for lo_ in range(start, end + 1, width)]
-        bad = _df(conn, "SELECT module, phase, COUNT(DISTINCT step) AS nonfinite_steps FROM events"
-                        " WHERE step BETWEEN ? AND ? AND phase IN ('forward', 'backward') GROUP BY module, phase",
-                  (start, end))
-    df = pd.DataFrame([row for part in parts for row in part], columns=["key", "amax"])
-    df["amax"] = df["amax"].astype(float)
-    df = df.groupby("key", as_index=False)["amax"].max()
-    df["module_id"], df["phase"] = df["key"] // 2, df["key"] % 2
-    df = df.merge(names, on="module_id", how="left")
-    df["phase"] = np.where(df["phase"] == 0, "forward", "backward")
-    df = df.merge(bad, on=["module", "phase"], how="left")
-    df["nonfinite_steps"] = df["nonfinite_steps"].fillna(0).astype(int)
-    limit = DTYPE_MAX.get(info.get("amp_dtype") or "float16", DTYPE_MAX["float16"])
-    df["limit"] = limit
-    with np.errstate(divide="ignore"):
-        df["headroom"] = limit / df["amax"]
-    return df[cols].sort_values("headroom", kind="stable").reset_index(drop=True)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import pandas as pd
 import streamlit as st
 
-from ampwatch import dashdata
+from ampwatch import dashdata, layerdata
 from ampwatch.errors import RunError
 from ampwatch.reader import RUN_SUFFIXES
 
@@ -194,17 +194,17 @@ def overview(path: str, key: tuple, start: Optional[int] = None, end: Optional[i
 
 @st.cache_data(show_spinner="Reading layers...", max_entries=32)
 def heatmap(path: str, key: tuple, metric: str, start: Optional[int], end: Optional[int]):
-    return dashdata.layer_heatmap(path, metric, start, end)
+    return layerdata.layer_heatmap(path, metric, start, end)
 
 
 @st.cache_data(show_spinner="Reading modules...", max_entries=32)
 def headroom(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
-    return dashdata.module_headroom(path, start, end)
+    return layerdata.module_headroom(path, start, end)
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def zero_grads(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
-    return dashdata.zero_grad_fraction(path, start, end)
+    return layerdata.zero_grad_fraction(path, start, end)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)

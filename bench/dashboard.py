@@ -115,12 +115,12 @@ def _timed(fn) -> float:
 
 
 def measure(path: Path, repeat: int) -> dict[str, list[float]]:
-    from ampwatch import dashdata
+    from ampwatch import dashdata, layerdata
     tasks = {
         "run overview data ready": lambda: dashdata.overview_data(path),
-        "layers heatmap data ready": lambda: dashdata.layer_heatmap(path, "grad_norm"),
-        "fp16 headroom + zero-grad data ready": lambda: (dashdata.module_headroom(path),
-                                                         dashdata.zero_grad_fraction(path)),
+        "layers heatmap data ready": lambda: layerdata.layer_heatmap(path, "grad_norm"),
+        "fp16 headroom + zero-grad data ready": lambda: (layerdata.module_headroom(path),
+                                                         layerdata.zero_grad_fraction(path)),
         "runs table row": lambda: dashdata.run_row(path),
     }
     times: dict[str, list[float]] = {k: [] for k in tasks}

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ampwatch import dashdata
+from ampwatch import dashdata, layerdata
 from ampwatch.errors import RunError
 from ampwatch.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 from ampwatch.writer import _INSERTS, create_run_file
@@ -197,14 +197,14 @@ def test_zero_step_run(tmp_path):
     assert dashdata.run_row(path)["steps"] == 0
     ov = dashdata.overview_data(path)
     assert ov.steps.empty and ov.first is None
-    assert dashdata.layer_heatmap(path).values.size == 0
-    assert dashdata.module_headroom(path).empty
+    assert layerdata.layer_heatmap(path).values.size == 0
+    assert layerdata.module_headroom(path).empty
 
 
 def test_heatmap_keeps_a_single_layer_spike_and_nan(tmp_path):
     path = _synthetic(tmp_path / "layers.sqlite", 200_000, params=12, layer_every=20,
                       layer_spike=((123_460, 7, 5e4),), layer_nan=((88_880, 3),))
-    grid = dashdata.layer_heatmap(path, buckets=50)
+    grid = layerdata.layer_heatmap(path, buckets=50)
     assert grid.values.shape == (12, 50) and grid.width == 4000
     r, c = np.unravel_index(np.nanargmax(grid.values), grid.values.shape)
     assert (grid.names[r], grid.bucket_starts[c]) == ("layer7.weight", 120_000) and grid.values[r, c] == 5e4
@@ -214,7 +214,7 @@ def test_heatmap_keeps_a_single_layer_spike_and_nan(tmp_path):
 
 
 def test_layers_real_run_match_sqlite(real_run):
-    grid = dashdata.layer_heatmap(real_run, "grad_norm", buckets=1000)
+    grid = layerdata.layer_heatmap(real_run, "grad_norm", buckets=1000)
     assert grid.width == 1
     t = _sql(real_run, "SELECT l.step, t.name, l.grad_norm, l.nan_mask FROM layers l JOIN tensors t"
                        " ON t.id = l.param_id")
@@ -225,7 +225,7 @@ def test_layers_real_run_match_sqlite(real_run):
     marked = {(grid.names[r], int(grid.bucket_starts[c])) for r, c in zip(*np.nonzero(grid.nonfinite))}
     assert marked == set(zip(bad["name"], bad["step"]))
 
-    zero = dashdata.zero_grad_fraction(real_run).set_index("layer")
+    zero = layerdata.zero_grad_fraction(real_run).set_index("layer")
     zt = _sql(real_run, "SELECT t.name, AVG(grad_zero_frac) m, MAX(grad_zero_frac) x, COUNT(grad_zero_frac) n"
                         " FROM layers l JOIN tensors t ON t.id = l.param_id GROUP BY t.name").set_index("name")
     assert np.allclose(zero.loc[zt.index, "zero_frac_mean"], zt["m"])
@@ -234,7 +234,7 @@ def test_layers_real_run_match_sqlite(real_run):
 
 
 def test_headroom_matches_sqlite(real_run):
-    df = dashdata.module_headroom(real_run, buckets=7)
+    df = layerdata.module_headroom(real_run, buckets=7)
     t = _sql(real_run, "SELECT t.name module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END phase,"
                        " MAX(m.amax) amax, SUM(m.nonfinite) bad FROM modules m JOIN tensors t ON t.id = m.module_id"
                        " GROUP BY 1, 2")
@@ -265,9 +265,9 @@ def test_events_origin_first_and_step_detail(real_run):
 def test_reading_never_changes_the_file(real_run):
     before = hashlib.sha256(real_run.read_bytes()).hexdigest(), real_run.stat().st_mtime_ns
     dashdata.overview_data(real_run, buckets=5)
-    dashdata.layer_heatmap(real_run)
-    dashdata.module_headroom(real_run)
-    dashdata.zero_grad_fraction(real_run)
+    layerdata.layer_heatmap(real_run)
+    layerdata.module_headroom(real_run)
+    layerdata.zero_grad_fraction(real_run)
     dashdata.step_detail(real_run, 3)
     dashdata.runs_table(real_run.parent)
     assert (hashlib.sha256(real_run.read_bytes()).hexdigest(), real_run.stat().st_mtime_ns) == before

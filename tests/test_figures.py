@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ampwatch import dashdata, figures
+from ampwatch import dashdata, figures, layerdata
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
 
@@ -62,7 +62,7 @@ def test_markers_for_nan_steps_sit_on_the_plot():
 
 
 def test_heatmap_log_colour_and_nonfinite_marks():
-    grid = dashdata.LayerGrid(names=["a", "b"], metric="grad_norm", bucket_starts=np.array([0, 10, 20]), width=10,
+    grid = layerdata.LayerGrid(names=["a", "b"], metric="grad_norm", bucket_starts=np.array([0, 10, 20]), width=10,
                               values=np.array([[1.0, 10.0, np.nan], [100.0, np.nan, 0.001]]),
                               nonfinite=np.array([[False, False, True], [False, False, False]]))
     fig = figures.heatmap_figure(grid)
@@ -87,7 +87,7 @@ def test_headroom_marks_modules_near_the_limit_red():
 
 
 def test_zero_grad_and_compare_figures():
-    zero = dashdata.zero_grad_fraction(SAMPLES / "healthy_fp16.sqlite")
+    zero = layerdata.zero_grad_fraction(SAMPLES / "healthy_fp16.sqlite")
     fig = figures.zero_grad_figure(zero)
     assert list(fig.data[0].y) == list(zero["layer"])
     runs = {p.stem: dashdata.overview_data(p) for p in sorted(SAMPLES.glob("*.sqlite"))[:3]}
@@ -101,7 +101,7 @@ def test_zero_grad_and_compare_figures():
 
 
 def test_figures_import_neither_streamlit_nor_torch():
-    code = ("import sys, ampwatch.figures, ampwatch.dashdata; "
+    code = ("import sys, ampwatch.figures, ampwatch.dashdata, ampwatch.layerdata; "
             "bad = [m for m in ('torch', 'streamlit') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

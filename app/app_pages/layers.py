@@ -3,7 +3,7 @@ import streamlit as st
 
 import shared
 from ampwatch import figures
-from ampwatch.dashdata import LAYER_METRICS, grid_frame
+from ampwatch.layerdata import LAYER_METRICS, grid_frame
 
 path = shared.require_run()
 if path is None:
