@@ -101,6 +101,31 @@ def require_run() -> Optional[Path]:
     return path
 
 
+def page_run() -> tuple[Path, tuple, dict]:
+    """The chosen run's path, cache key and headline row; stops the page (after a message) without one."""
+    path = require_run()
+    if path is None:
+        st.stop()
+    key = stamp(path)
+    row = guarded(run_row, str(path), key, path=path)
+    if row is None:
+        st.stop()
+    return path, key, row
+
+
+def page_runs() -> tuple[Path, pd.DataFrame, list]:
+    """The runs folder, its runs table and its unreadable files; stops the page (after a message) without."""
+    folder = st.session_state.get("_folder")
+    if folder is None:
+        require_run()
+        st.stop()
+    table = guarded(runs_table, str(folder), folder_stamp(folder))
+    if table is None:
+        st.stop()
+    runs, unreadable = table
+    return folder, runs, unreadable
+
+
 def report(exc: Exception, path: Optional[Path] = None) -> None:
     """One clear line for a run that cannot be shown (never a traceback)."""
     where = f" ({path.name})" if path is not None else ""

@@ -6,14 +6,10 @@ import shared
 from ampwatch import figures
 
 st.title("Compare runs")
-folder = st.session_state.get("_folder")
-if folder is None or st.session_state.get("_run") is None:
+if st.session_state.get("_run") is None:  # no folder, or a folder without runs: say which
     shared.require_run()
     st.stop()
-table = shared.guarded(shared.runs_table, str(folder), shared.folder_stamp(folder))
-if table is None:
-    st.stop()
-runs, unreadable = table
+folder, runs, unreadable = shared.page_runs()
 files = runs["file"].tolist() if len(runs) else []
 if len(files) < 2:
     st.info("Compare needs at least two readable runs in the folder.")

@@ -3,13 +3,7 @@ import streamlit as st
 
 import shared
 
-path = shared.require_run()
-if path is None:
-    st.stop()
-key = shared.stamp(path)
-row = shared.guarded(shared.run_row, str(path), key, path=path)
-if row is None:
-    st.stop()
+path, key, row = shared.page_run()
 st.title(f"Step inspector · {row['name']}")
 if not row["steps"]:
     st.info("This run has no steps yet.")

@@ -5,13 +5,7 @@ import shared
 from ampwatch import figures
 from ampwatch.layerdata import LAYER_METRICS, grid_frame
 
-path = shared.require_run()
-if path is None:
-    st.stop()
-key = shared.stamp(path)
-row = shared.guarded(shared.run_row, str(path), key, path=path)
-if row is None:
-    st.stop()
+path, key, row = shared.page_run()
 st.title(f"Layers · {row['name']}")
 if not row["steps"]:
     st.info("This run has no steps yet.")

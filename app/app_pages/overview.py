@@ -4,13 +4,7 @@ import streamlit as st
 import shared
 from ampwatch import figures
 
-path = shared.require_run()
-if path is None:
-    st.stop()
-key = shared.stamp(path)
-row = shared.guarded(shared.run_row, str(path), key, path=path)
-if row is None:
-    st.stop()
+path, key, row = shared.page_run()
 st.title(f"{row['name']}")
 st.caption(f"`{path.name}` · {row['status']} · {row['amp_dtype'] or 'no autocast dtype recorded'}")
 if not row["steps"]:

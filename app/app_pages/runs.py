@@ -4,14 +4,7 @@ import streamlit as st
 import shared
 
 st.title("Runs")
-folder = st.session_state.get("_folder")
-if folder is None:
-    shared.require_run()
-    st.stop()
-table = shared.guarded(shared.runs_table, str(folder), shared.folder_stamp(folder))
-if table is None:
-    st.stop()
-runs, unreadable = table
+folder, runs, unreadable = shared.page_runs()
 st.caption(f"Folder: `{folder}`")
 for name, reason in unreadable:
     st.warning(f"**{name}** cannot be read: {reason}")
