@@ -22,6 +22,7 @@ from streamlit.testing.v1 import AppTest
 
 import ampwatch
 from ampwatch.writer import _INSERTS, create_run_file
+from sqltruth import sql_frame as _sql
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app" / "streamlit_app.py")
@@ -52,14 +53,6 @@ def _restore_env():
         os.environ.pop("AMPWATCH_RUNS", None)
     else:
         os.environ["AMPWATCH_RUNS"] = before
-
-
-def _sql(path: Path, query: str, params: tuple = ()) -> pd.DataFrame:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        return pd.read_sql_query(query, conn, params=params)
-    finally:
-        conn.close()
 
 
 def _no_failure(at: AppTest) -> None:

@@ -15,16 +15,9 @@ from ampwatch import dashdata, layerdata
 from ampwatch.errors import RunError
 from ampwatch.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 from ampwatch.writer import _INSERTS, create_run_file
+from sqltruth import sql_frame as _sql
 
 SAMPLES = sorted(Path(__file__).resolve().parent.parent.glob("sample_runs/*.sqlite"))
-
-
-def _sql(path: Path, query: str, params: tuple = ()) -> pd.DataFrame:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        return pd.read_sql_query(query, conn, params=params)
-    finally:
-        conn.close()
 
 
 def _truth_steps(path: Path) -> pd.DataFrame:
