@@ -37,6 +37,11 @@ _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 _MISSING = object()
 
 
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1/scale on the device (in float64: a scale need not be a power of two), for unscaling norms."""
+    return scale.double().reciprocal().float()
+
+
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """Accelerate/Lightning wrap the optimizer; GradScaler is handed the inner one, so hook that."""
     inner = getattr(optimizer, "optimizer", None)
@@ -64,6 +69,10 @@ class Watch:
         self._handles: list[Any] = []
         self._patched: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}  # what we installed, to tell it from a later watch's wrapper
+        self._amp_handles: list[Any] = []
+        self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
+        self._inside_scaler_step = False   # an unscale_ now comes from scaler.step, not from the user
+        self._clip_noticed = False         # the clip-before-unscale notice is written once per run
         self._params, names = parameter_table(model, self.optimizer)
         self._param_numel = {i: p.numel() for i, p in enumerate(self._params)}
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
@@ -165,7 +174,7 @@ class Watch:
         self._step_ended = now
 
     def _on_first_forward(self, module: Any, args: Any) -> None:
-        if getattr(self, "_amp_seen", False):
+        if self._amp_seen:
             return
         kind = self._device.type
         try:
@@ -176,7 +185,7 @@ class Watch:
             self._amp_seen = True
 
     def _stop_looking_for_autocast(self) -> None:
-        for handle in getattr(self, "_amp_handles", ()):
+        for handle in self._amp_handles:
             handle.remove()
         self._amp_handles = []
 
@@ -194,7 +203,7 @@ class Watch:
         if scaling and scale is None:
             return
         self._norms = self._detail = None
-        self._measure_grads(inv_scale=None if scale is None else scale.double().reciprocal().float())
+        self._measure_grads(inv_scale=None if scale is None else _inverse(scale))
         self._norms_at_backward = True
 
     def _measure_grads(self, inv_scale: Optional[torch.Tensor] = None) -> None:
@@ -234,7 +243,7 @@ class Watch:
     def _scaler_unscale_(self, original: Any, optimizer: Any) -> None:
         original(optimizer)
         if optimizer is self.optimizer:
-            if getattr(self, "_inside_scaler_step", False):  # the user did not call unscale_ first
+            if self._inside_scaler_step:  # the user did not call unscale_ first
                 self._guarded(self._check_clip_before_unscale)()
             self._guarded(self._measure_grads)()
 
@@ -254,7 +263,7 @@ class Watch:
     def _check_clip_before_unscale(self) -> None:
         """Notice (once per run) gradients that shrank between backward and scaler.step's own unscale_:
         clip_grad_norm_ on still-scaled gradients, which clips scale-times too hard."""
-        if (getattr(self, "_clip_noticed", False) or not self._norms_at_backward or self._norms is None
+        if (self._clip_noticed or not self._norms_at_backward or self._norms is None
                 or self.step % self.options["layer_every"]):
             return
         grads = [self._params[i].grad for i in self._norm_ids]
@@ -289,7 +298,7 @@ class Watch:
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
             scale = probes.scale_tensor(self.scaler)
             if scale is not None:
-                self._measure_grads(inv_scale=scale.double().reciprocal().float())
+                self._measure_grads(inv_scale=_inverse(scale))
 
     def _after_scaler_step(self) -> None:
         skipped = probes.scaler_enabled(self.scaler) and not self._fused and not self._stepped

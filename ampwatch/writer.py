@@ -1,10 +1,10 @@
 """The run file's only writer: a background thread, batched commits in WAL mode.
 
 The training thread only appends each step's pack to a deque: no lock, no wake-up. Waking the
-thread per step cost the MLP benchmark ~0.5 ms a step in GIL hand-offs; instead the thread wakes every
-``_POLL_S`` and turns everything waiting into rows in one burst. Info and notices go on a queue. The thread commits at least every
-``flush_every_s`` (and stamps a heartbeat, so readers can tell a dead run from a live one), and on
-close checkpoints the WAL and switches back to a rollback journal so a finished run is one file.
+thread per step cost the MLP benchmark ~0.5 ms a step in GIL hand-offs; instead the thread wakes
+every ``_POLL_S`` and turns everything waiting into rows in one burst. Info and notices go on a
+queue. The thread commits at least every ``flush_every_s`` (and stamps a heartbeat, so readers
+can tell a dead run from a live one), and on close checkpoints the WAL and switches back to a rollback journal so a finished run is one file.
 Bulk rows go through ``executemany`` (about 4x faster than ``insert_all``, which matters for GIL
 time stolen from training: research/overhead-anchors.md); schema and run rows go through sqlite-utils.
 """
