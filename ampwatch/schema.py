@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the number of migrations below; readers accept any version up to it
 
 # SQLite stores a float NaN as NULL. Columns that may legitimately hold NaN get a bit in the row's
 # ``nan_mask`` so readers can tell "NaN" from "not measured" (see docs/schema.md).
@@ -115,6 +115,18 @@ def m001_initial(db: Database) -> None:
             code TEXT NOT NULL,
             message TEXT NOT NULL
         );
+        """
+    )
+
+
+@migrations()
+def m002_ranks(db: Database) -> None:
+    """What a reader needs to put the ranks of one job back together (docs/schema.md)."""
+    db.executescript(
+        """
+        ALTER TABLE run ADD COLUMN job_id TEXT;         -- same for every rank of one job; NULL single-process
+        ALTER TABLE run ADD COLUMN grad_sharding TEXT;  -- sharded (FSDP) | replicated (DDP) | none
+        ALTER TABLE events ADD COLUMN micro_batch INTEGER;  -- 0-based micro-batch of the step (forward)
         """
     )
 
