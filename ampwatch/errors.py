@@ -7,3 +7,7 @@ class RunError(Exception):
 
 class OptionError(ValueError):
     """An option passed to :func:`ampwatch.attach` is invalid."""
+
+
+class RunExistsError(RunError, FileExistsError):
+    """``attach(path=...)`` names a file that already exists (pass ``overwrite=True`` or a new path)."""

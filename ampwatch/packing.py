@@ -71,8 +71,10 @@ class PackReader:
     """Turns packs into rows. Holds the run's name tables (parameter and module ids)."""
 
     def __init__(self, param_names: list[str], param_dtypes: list[str],
-                 module_ids: list[int], module_names: list[str], layer_every: int) -> None:
+                 module_ids: list[int], module_names: list[str], layer_every: int,
+                 tied: Optional[dict[int, list[tuple[int, str]]]] = None) -> None:
         self.param_names = param_names
+        self.tied = tied or {}  # parameter id -> [(owning module index, name there)] (runinfo.tied_owners)
         self.param_dtypes = param_dtypes
         self.module_ids = module_ids
         self.module_names = module_names
@@ -116,7 +118,7 @@ class PackReader:
             amax, nan, inf = detail.get(pid, (None, None, None, None, None))[:3]
             n = norms[pack.norm_ids.index(pid)]
             count = int(nan + inf) if nan is not None else None
-            out.events.append((pack.step, "param_grad", self.param_names[pid],
+            out.events.append((pack.step, "param_grad", self._grad_name(pack, pid, seg("loc")),
                                _kind(nan or 0, inf or 0, n), count, _nullable(amax),
                                self.param_dtypes[pid], 0))
         if loss is not None and not math.isfinite(loss):
@@ -124,6 +126,16 @@ class PackReader:
         if pack.loc is not None:
             self._localization_rows(pack, seg("loc"), out)
         return out
+
+    def _grad_name(self, pack: StepPack, pid: int, device_values: list[float]) -> str:
+        """The name of a parameter with a non-finite gradient; for a tied one, the name under the
+        module whose backward produced it when the module hooks tell (issue 13: nanoGPT's
+        ``lm_head.weight``, not ``transformer.wte.weight``, whose embedding runs in fp32)."""
+        owners = self.tied.get(pid)
+        if not owners or pack.loc is None:
+            return self.param_names[pid]
+        stats, _ = localize.analyse(pack.loc, localize.resolve_values(pack.loc, device_values), self.module_names)
+        return attribute_grad(owners, stats) or self.param_names[pid]
 
     def _details(self, pack: StepPack, flat: list[float]) -> dict[int, tuple]:
         return {pid: tuple(flat[5 * i:5 * i + 5]) for i, pid in enumerate(pack.detail_ids)}
@@ -161,3 +173,19 @@ class PackReader:
             if has_events or pack.step % self.layer_every == 0:
                 out.modules.append((self.module_ids[module], 0 if phase == localize.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))
+
+
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+def attribute_grad(owners: list[tuple[int, str]], stats: dict) -> Optional[str]:
+    """Which owner of a tied parameter made its gradient non-finite, from one step's module stats:
+    the only owner whose input gradient was non-finite, else the only owner that ran in fp16/bf16
+    (a weight gradient computed in fp32 from finite inputs does not overflow). None if unclear."""
+    bad = [name for m, name in owners
+           if (s := stats.get((m, localize.BACKWARD))) is not None and s.nonfinite]
+    if len(bad) == 1:
+        return bad[0]
+    low = [name for m, name in owners
+           if (s := stats.get((m, localize.FORWARD))) is not None and s.dtype in _LOW_PRECISION]
+    return low[0] if len(low) == 1 else None

@@ -123,6 +123,10 @@ class Run:
         info["status"] = effective_status(row)
         info["scaler_enabled"] = bool(row.get("scaler_enabled"))
         info["localize"] = bool(row.get("localize"))
+        # Runs before schema 3 (issue 13) stored the mean of the values scaler.scale() saw, and
+        # read as written: a NULL definition says so.
+        info["loss_definition"] = row.get("loss_definition") or "scaled-mean"
+        info.setdefault("clip_max_norm", None)
         try:
             info["config"] = json.loads(row.get("config_json") or "{}")
         except ValueError:
@@ -174,7 +178,19 @@ class Run:
                                    " ORDER BY step, origin DESC, id")
         df["origin"] = df["origin"].astype(bool)
         df["amax"] = df["amax"].astype(float)
+        others = self.aliases()
+        df["aliases"] = [", ".join(others.get(m, ())) for m in df["module"]]
         return df
+
+    def aliases(self) -> dict[str, list[str]]:
+        """Every name of a tied parameter or shared module -> its other names (empty for older runs)."""
+        if "aliases" not in self._cache:
+            with connect(self.path) as conn:
+                cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
+                rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
+                    if "aliases" in cols else []
+            self._cache["aliases"] = alias_map(rows)  # type: ignore[assignment]
+        return self._cache["aliases"]  # type: ignore[return-value]
 
     @property
     def metrics(self) -> pd.DataFrame:
@@ -188,10 +204,26 @@ class Run:
 
     @property
     def tensors(self) -> pd.DataFrame:
-        return self._table("tensors", "SELECT id, kind, name, type, shape, numel, trainable FROM tensors")
+        df = self._table("tensors", "SELECT id, kind, name, type, shape, numel, trainable FROM tensors")
+        others = self.aliases()
+        df["aliases"] = [", ".join(others.get(n, ())) for n in df["name"]]
+        return df
 
     def __repr__(self) -> str:
         return f"<ampwatch.Run {self.name!r} {str(self.path)!r}>"
+
+
+def alias_map(rows: list[tuple[str, Optional[str]]]) -> dict[str, list[str]]:
+    """(name, JSON list of other names) rows -> every name to its other names, both ways."""
+    out: dict[str, list[str]] = {}
+    for name, raw in rows:
+        try:
+            names = [name] + [str(n) for n in json.loads(raw or "[]")]
+        except ValueError:
+            continue
+        for n in names:
+            out[n] = [m for m in names if m != n]
+    return out
 
 
 def find_runs(folder: Any) -> list[Path]:

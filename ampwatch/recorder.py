@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import logging
 import math
 import sys
@@ -19,10 +20,10 @@ from typing import Any, Optional
 
 import torch
 
-from . import probes
+from . import clipwatch, probes
 from .localize import Localizer
 from .packing import StepPack
-from .runinfo import describe_run, parameter_table, resolve_path
+from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
 from .settings import resolve
 from .writer import RunWriter
 
@@ -73,6 +74,8 @@ class Watch:
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
         self._inside_scaler_step = False   # an unscale_ now comes from scaler.step, not from the user
         self._clip_noticed = False         # the clip-before-unscale notice is written once per run
+        self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
+        self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
         self._params, names = parameter_table(model, self.optimizer)
         self._param_numel = {i: p.numel() for i, p in enumerate(self._params)}
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
@@ -82,7 +85,11 @@ class Watch:
         self._new_step(time.time())
         self.step = 0
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
-        self.path = resolve_path(path, info["name"], info["rank"], info["world_size"])
+        self.path, note = resolve_path(path, info["name"], info["rank"], info["world_size"],
+                                       self.options["overwrite"])
+        if note:
+            log.info("%s", note)
+        info["loss_definition"] = "scaled-sum" if scaler is not None else "logged-mean"
         info["name"] = info["name"] or self.path.stem
         self.name = info["name"]
         self.localizer: Optional[Localizer] = None
@@ -102,15 +109,18 @@ class Watch:
         if self.options["localize"]:
             self.localizer = Localizer(self.model, self._device, lambda: self.model.training)
             module_names = self.localizer.names
+        shared = module_aliases(self.model) if module_names else {}
         tensors = list(names) + [
-            {"id": len(names) + i, "kind": "module", "name": n, "type": t}
+            {"id": len(names) + i, "kind": "module", "name": n, "type": t,
+             "aliases": json.dumps(shared[n]) if n in shared else None}
             for i, (n, t) in enumerate(zip(module_names, self.localizer.types if self.localizer else []))
         ]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         create_run_file(str(self.path), info, tensors)
         packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
                            [len(names) + i for i in range(len(module_names))], module_names,
-                           self.options["layer_every"])
+                           self.options["layer_every"],
+                           tied_owners(self.model, self._params, module_names) if module_names else {})
         self.writer = RunWriter(str(self.path), packs, self.options["flush_every_s"])
         log.info("recording to %s", self.path)
 
@@ -133,6 +143,7 @@ class Watch:
                 wrapper = functools.partial(getattr(self, f"_scaler_{method}"), original)
                 self._wrappers[method] = wrapper
                 setattr(self.scaler, method, wrapper)
+        clipwatch.listen(self)
 
     def _guarded(self, fn: Any) -> Any:
         def hook(*args: Any, **kwargs: Any) -> None:
@@ -155,6 +166,27 @@ class Watch:
                           f"{type(exc).__name__}: {exc}. Training continues.", RuntimeWarning, stacklevel=3)
         if self.localizer is not None:
             self.localizer.remove()
+
+    def on_clip(self, parameters: Any, max_norm: Any) -> None:
+        """clipwatch: a clip call on (some of) our parameters; remember its threshold. No sync."""
+        if self._failed or self.closed:
+            return
+        first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
+        if id(first) not in self._param_index:
+            return  # another model's clip
+        if isinstance(max_norm, torch.Tensor):
+            if not probes.reads_are_free(max_norm.device):
+                return  # reading it would sync; the dashboard falls back to the config keys
+            max_norm = max_norm.item()
+        if isinstance(max_norm, (int, float)) and max_norm != self._max_norm:
+            self._guarded(self._note_max_norm)(float(max_norm))
+
+    def _note_max_norm(self, max_norm: float) -> None:
+        if self._max_norm is not None:
+            self.writer.put_notice(self.step, "clip-threshold-changed",
+                                   f"clip_grad_norm_ max_norm changed from {self._max_norm:g} to {max_norm:g}")
+        self._max_norm = max_norm
+        self.writer.put_info(clip_max_norm=max_norm)
 
     # -- per-step state -------------------------------------------------------------------------
     def _new_step(self, now: float) -> None:
@@ -320,9 +352,9 @@ class Watch:
         now = time.time()
         segments: list[tuple[str, torch.Tensor]] = []
         dt, dev = self._pack_dtype, self._device
-        if self._logged_losses or self._losses:
-            losses = torch.stack([l.float().mean().to(dev) for l in self._logged_losses or self._losses])
-            segments.append(("loss", losses.mean().reshape(1)))
+        loss = self._step_loss()
+        if loss is not None:
+            segments.append(("loss", loss.reshape(1)))
         if scale is not None:
             segments.append(("scale", scale.reshape(1)))
         if found is not None and self._fused:
@@ -366,13 +398,27 @@ class Watch:
         self.step += 1
         self._new_step(now)
 
+    def _step_loss(self) -> Optional[torch.Tensor]:
+        """The loss a user means (issue 13): the mean of what ``watch.log(loss=...)`` got, else the
+        SUM of what ``scaler.scale()`` got over the step's micro-batches, i.e. the objective whose
+        gradient the step applies (with nanoGPT's ``loss / k`` that is the mean micro-batch loss)."""
+        dev = self._device
+        if self._logged_losses:
+            if not self._loss_logged and self.scaler is not None:
+                self._loss_logged = True
+                self.writer.put_info(loss_definition="logged-mean")
+            return torch.stack([l.float().mean().to(dev) for l in self._logged_losses]).mean()
+        if self._losses:
+            return torch.stack([l.float().mean().to(dev) for l in self._losses]).sum()
+        return None
+
     # -- public API -----------------------------------------------------------------------------------
     def log(self, **scalars: Any) -> None:
         """Record extra scalars for the current step (tensors are not read here: no sync).
 
-        Without a scaler, ``watch.log(loss=loss)`` is how the loss arrives. With one, a logged loss
-        replaces what ``scaler.scale()`` saw: log it when the scaled loss was divided for gradient
-        accumulation (Accelerate, Trainer, Lightning do), so the row holds the loss itself.
+        Without a scaler, ``watch.log(loss=loss)`` is how the loss arrives. With one, the step's loss
+        is the sum of what ``scaler.scale()`` saw over its micro-batches (with ``loss / k`` for
+        accumulation: the mean micro-batch loss); logged losses replace it (their mean).
         """
         if self._failed or self.closed:
             return
@@ -392,6 +438,7 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        clipwatch.stop(self)
         for method, previous in self._patched.items():
             if self.scaler.__dict__.get(method) is not self._wrappers.get(method):
                 # another watch wrapped ours: unlinking would drop its wrapper. Ours stays in its

@@ -1,7 +1,9 @@
 """What a run is: its name, file path, environment and parameter table, gathered once at attach."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from . import __version__, probes
+from .errors import RunExistsError
 from .schema import SCHEMA_VERSION
 
 
@@ -22,26 +25,62 @@ def _distributed() -> tuple[int, int]:
 
 def parameter_table(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                     ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-    """The parameters we track (model's, tied weights once, then any optimizer-only ones) and their rows."""
+    """The parameters we track (model's, tied weights once, then any optimizer-only ones) and their rows.
+
+    A tied parameter (nanoGPT's ``lm_head.weight`` is ``transformer.wte.weight``) is tracked once
+    under its first name; every other name it has goes into the row's ``aliases`` (issue 13)."""
     params: list[torch.Tensor] = []
     rows: list[dict[str, Any]] = []
-    seen: set[int] = set()
+    index: dict[int, int] = {}
 
     def add(name: str, p: torch.Tensor) -> None:
-        if id(p) in seen:
+        if id(p) in index:
+            row = rows[index[id(p)]]
+            if name not in row["_names"]:
+                row["_names"].append(name)
             return
-        seen.add(id(p))
+        index[id(p)] = len(params)
         rows.append({"id": len(params), "kind": "param", "name": name,
                      "type": str(p.dtype).replace("torch.", ""), "shape": "x".join(map(str, p.shape)),
-                     "numel": p.numel(), "trainable": int(p.requires_grad)})
+                     "numel": p.numel(), "trainable": int(p.requires_grad), "_names": [name]})
         params.append(p)
 
-    for name, p in model.named_parameters(remove_duplicate=True):
+    for name, p in model.named_parameters(remove_duplicate=False):
         add(name, p)
     for g, group in enumerate(optimizer.param_groups):
         for k, p in enumerate(group["params"]):
-            add(f"<optimizer group {g} param {k}>", p)
+            if id(p) not in index:
+                add(f"<optimizer group {g} param {k}>", p)
+    for row in rows:
+        others = row.pop("_names")[1:]
+        row["aliases"] = json.dumps(others) if others else None
     return params, rows
+
+
+def module_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """First name of every module registered under several names -> its other names."""
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name or "<model>")
+    return {n[0]: n[1:] for n in names.values() if len(n) > 1}
+
+
+def tied_owners(model: torch.nn.Module, params: list[torch.Tensor], module_names: list[str]
+                ) -> dict[int, list[tuple[int, str]]]:
+    """For each tied parameter (several names): (index of the owning module in ``module_names``,
+    the parameter's name under that module), in registration order. Used to say which module's
+    backward produced a non-finite weight gradient (packing.py)."""
+    position = {name: i for i, name in enumerate(module_names)}
+    by_id = {id(p): i for i, p in enumerate(params)}
+    owners: dict[int, list[tuple[int, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            pid = by_id.get(id(p))
+            m = position.get(module_name or "<model>")
+            if pid is not None and m is not None:
+                full = f"{module_name}.{pname}" if module_name else pname
+                owners.setdefault(pid, []).append((m, full))
+    return {pid: o for pid, o in owners.items() if len({m for m, _ in o}) > 1}
 
 
 def describe_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
@@ -65,19 +104,59 @@ def describe_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale
     return info
 
 
-def resolve_path(path: Optional[str], name: Optional[str], rank: int, world_size: int) -> Path:
-    """``runs/<name or timestamp>.sqlite`` by default; ``{rank}`` is filled in (and added under
-    distributed training); an existing file is never overwritten: a numbered sibling is used."""
-    if path is None:
-        stem = name or time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join("runs", f"{stem}.sqlite")
-    path = os.fspath(path)
-    if world_size > 1 and "{rank}" not in path:
-        root, ext = os.path.splitext(path)
-        path = f"{root}.rank{{rank}}{ext or '.sqlite'}"
-    target = Path(path.replace("{rank}", str(rank))).absolute()
+def names_rank(path: str, rank: int) -> bool:
+    """Whether ``path`` already names this rank's own file: the rank as a whole number right after
+    a separator or the word ``rank`` (``runs/x_{rank}.sqlite``, ``rank3/x.sqlite``, ``x.r3.sqlite``).
+
+    Decided without a collective, from this rank's path alone. A fixed path that merely contains the
+    number (``lr_1e-4.sqlite`` on rank 1) is kept by that rank only; every other rank adds
+    ``.rank<N>``, so the files stay distinct either way. Folders count only as ``rank<N>``: a
+    number in a folder name (``/home/u/exp_1/runs``, pytest's ``test_x0``) says nothing about ranks."""
+    folder, name = os.path.basename(os.path.dirname(path)), os.path.basename(path)
+    number = rf"0*{rank}(?![0-9])"
+    return (re.search(rf"(?:^|[_.=\-]|rank|r){number}", name, re.IGNORECASE) is not None
+            or re.search(rf"rank[_\-]?{number}", folder, re.IGNORECASE) is not None)
+
+
+def next_free(target: Path) -> Path:
+    """``target`` or its first free numbered sibling (``x-2.sqlite``, ``x-3.sqlite``, ...)."""
     candidate, n = target, 1
     while candidate.exists():
         n += 1
         candidate = target.with_name(f"{target.stem}-{n}{target.suffix}")
     return candidate
+
+
+def resolve_path(path: Optional[str], name: Optional[str], rank: int, world_size: int,
+                 overwrite: bool = False) -> tuple[Path, Optional[str]]:
+    """Where this process records, and a sentence to log when that is not the path as given.
+
+    - no ``path``: ``runs/<name or timestamp>.sqlite``, numbered (``-2``...) if that file exists;
+    - ``{rank}`` is filled in; under several ranks, a path that already names this rank is used as
+      given (:func:`names_rank`) and a path shared by every rank gets ``.rank<N>`` before its suffix;
+    - an explicit path that exists is never redirected (issue 13): :class:`RunExistsError` unless
+      ``overwrite=True``, which removes the old file first.
+    """
+    explicit = path is not None
+    if path is None:
+        stem = name or time.strftime("%Y%m%d-%H%M%S")
+        path = os.path.join("runs", f"{stem}.sqlite")
+    path = os.fspath(path)
+    note = None
+    if world_size > 1 and "{rank}" not in path and not names_rank(path, rank):
+        root, ext = os.path.splitext(path)
+        shared = path
+        path = f"{root}.rank{{rank}}{ext or '.sqlite'}"
+        if explicit:
+            note = (f"rank {rank} of {world_size}: {shared!r} names no rank, so rank {rank} records to "
+                    f"{path.replace('{rank}', str(rank))!r} (put {{rank}} in the path to choose the name)")
+    target = Path(path.replace("{rank}", str(rank))).absolute()
+    if not explicit:
+        return next_free(target), None
+    if target.exists():
+        if not overwrite:
+            raise RunExistsError(f"{str(target)!r} already exists: pass overwrite=True to replace it, or a new "
+                                 f"path (leave path=None for a fresh numbered file in runs/)")
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{target}{suffix}").unlink(missing_ok=True)
+    return target, note

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-SCHEMA_VERSION = 2  # the number of migrations below; readers accept any version up to it
+SCHEMA_VERSION = 3  # the number of migrations below; readers accept any version up to it
 
 # SQLite stores a float NaN as NULL. Columns that may legitimately hold NaN get a bit in the row's
 # ``nan_mask`` so readers can tell "NaN" from "not measured" (see docs/schema.md).
@@ -127,6 +127,18 @@ def m002_ranks(db: Database) -> None:
         ALTER TABLE run ADD COLUMN job_id TEXT;         -- same for every rank of one job; NULL single-process
         ALTER TABLE run ADD COLUMN grad_sharding TEXT;  -- sharded (FSDP) | replicated (DDP) | none
         ALTER TABLE events ADD COLUMN micro_batch INTEGER;  -- 0-based micro-batch of the step (forward)
+        """
+    )
+
+
+@migrations()
+def m004_faithful_loops(db: Database) -> None:
+    """Issue 13: the loss definition a run used, tied-parameter names and the observed clip threshold."""
+    db.executescript(
+        """
+        ALTER TABLE run ADD COLUMN loss_definition TEXT;  -- scaled-sum | logged-mean; NULL: older runs (mean)
+        ALTER TABLE run ADD COLUMN clip_max_norm REAL;    -- max_norm of the last clip_grad_norm_ call seen
+        ALTER TABLE tensors ADD COLUMN aliases TEXT;      -- JSON list of the tensor's other names (tied weights)
         """
     )
 

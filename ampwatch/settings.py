@@ -45,6 +45,8 @@ SETTINGS: tuple[Setting, ...] = (
             "raise recorder errors instead of warning once and stopping recording"),
     Setting("rank", None, lambda v: v is None or (isinstance(v, int) and v >= 0), "None or an int >= 0",
             "process rank (default: torch.distributed rank when initialised, else 0)"),
+    Setting("overwrite", False, _is_bool, "True or False",
+            "replace an existing file at an explicit path (default: refuse, so a run is never silently redirected)"),
     Setting("framework", None, lambda v: v is None or isinstance(v, str), "None or a str",
             "set by integrations: which framework recorded the run"),
 )

