@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import RunError
-from .reader import _check_schema, check_run_file, connect, effective_status, find_runs
+from .reader import _check_schema, check_run_file, clip_threshold, connect, effective_status, find_runs
 from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # About one point per horizontal pixel of a wide chart; each bucket contributes up to ~10 rows.
@@ -124,8 +124,8 @@ class Overview:
 
     @property
     def clip_threshold(self) -> Optional[float]:
-        value = (self.info.get("config") or {}).get("max_grad_norm")
-        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+        """max_norm as seen in the clip_grad_norm_ call, else from the config (reader.clip_threshold)."""
+        return clip_threshold(self.info)
 
 
 def step_bounds(conn: sqlite3.Connection) -> tuple[Optional[int], Optional[int]]:

@@ -44,7 +44,8 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Fig
     """Loss, loss scale (log2), grad norm (log) and lr on one shared step axis.
 
     Skipped steps are red crosses on the loss; non-finite steps black diamonds; scale backoffs and
-    growths are red/green triangles; the clip threshold (config ``max_grad_norm``) a dashed line.
+    growths are red/green triangles; the clip threshold (as seen in the ``clip_grad_norm_`` call,
+    else from the config) a dashed line.
     """
     s = ov.steps
     fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
@@ -99,10 +100,11 @@ def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = No
     hover = "step %{x}<br>%{y}<br>" + label + " %{z:.3g}<extra></extra>"
     if grid.width > 1:
         hover = f"steps %{{x}}..+{grid.width - 1}<br>%{{y}}<br>max {label} %{{z:.3g}}<extra></extra>"
-    fig = go.Figure(go.Heatmap(z=z, x=grid.bucket_starts, y=grid.names, colorscale="Viridis",
+    names = grid.labels  # a tied parameter shows all its names
+    fig = go.Figure(go.Heatmap(z=z, x=grid.bucket_starts, y=names, colorscale="Viridis",
                                colorbar={"title": label}, hovertemplate=hover, hoverongaps=False))
     if grid.nonfinite.any():  # a second, single-colour layer: NaN/inf cells stand out in red
-        fig.add_trace(go.Heatmap(z=np.where(grid.nonfinite, 1.0, np.nan), x=grid.bucket_starts, y=grid.names,
+        fig.add_trace(go.Heatmap(z=np.where(grid.nonfinite, 1.0, np.nan), x=grid.bucket_starts, y=names,
                                  colorscale=[[0, SKIP_COLOR], [1, SKIP_COLOR]], showscale=False, showlegend=True,
                                  name=f"NaN/inf gradient ({int(grid.nonfinite.sum())} cells)", hoverongaps=False,
                                  hovertemplate="step %{x}<br>%{y}<br>NaN/inf gradient<extra></extra>"))
@@ -140,8 +142,10 @@ def headroom_figure(df: pd.DataFrame, warn_factor: float = 4.0) -> go.Figure:
 
 def zero_grad_figure(df: pd.DataFrame) -> go.Figure:
     """Mean (bar) and max (marker) fraction of exactly-zero gradient elements per layer."""
-    fig = go.Figure(go.Bar(x=df["zero_frac_mean"], y=df["layer"], orientation="h", name="mean zero fraction"))
-    fig.add_trace(go.Scatter(x=df["zero_frac_max"], y=df["layer"], mode="markers", name="max zero fraction",
+    layers = [f"{n} = {a}" if isinstance(a, str) and a else n
+              for n, a in zip(df["layer"], df["aliases"] if "aliases" in df else [""] * len(df))]
+    fig = go.Figure(go.Bar(x=df["zero_frac_mean"], y=layers, orientation="h", name="mean zero fraction"))
+    fig.add_trace(go.Scatter(x=df["zero_frac_max"], y=layers, mode="markers", name="max zero fraction",
                              marker={"symbol": "line-ns-open", "size": 12, "color": SKIP_COLOR}))
     fig.update_layout(xaxis={"title": "fraction of gradient elements exactly 0", "range": [0, 1]},
                       yaxis={"autorange": "reversed", "type": "category"},

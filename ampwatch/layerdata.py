@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -36,10 +36,30 @@ class LayerGrid:
     width: int                          # steps per column (1: each column is one recorded step)
     values: np.ndarray                  # (layers, columns); NaN = no row (or non-finite: see ``nonfinite``)
     nonfinite: np.ndarray               # (layers, columns) bool: a NaN/inf gradient somewhere in the bucket
+    aliases: list[str] = field(default_factory=list)  # per layer: its other names (tied weights), or ""
+
+    @property
+    def labels(self) -> list[str]:
+        """``transformer.wte.weight = lm_head.weight`` for a tied parameter, else the name."""
+        return [alias_label(n, a) for n, a in zip(self.names, self.aliases or [""] * len(self.names))]
+
+
+def alias_label(name: str, aliases: Any) -> str:
+    return f"{name} = {aliases}" if isinstance(aliases, str) and aliases else name
+
+
+def tensor_names(conn: sqlite3.Connection, kind: str = "param") -> pd.DataFrame:
+    """id, name and aliases (the other names of a tied parameter / shared module, comma-separated;
+    "" for none and for runs recorded before aliases were, schema < 3)."""
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
+    alias = "aliases" if "aliases" in cols else "NULL AS aliases"
+    df = _df(conn, f"SELECT id, name, {alias} FROM tensors WHERE kind = ? ORDER BY id", (kind,))
+    df["aliases"] = [", ".join(json.loads(a)) if isinstance(a, str) and a else "" for a in df["aliases"]]
+    return df
 
 
 def _param_names(conn: sqlite3.Connection) -> pd.DataFrame:
-    return _df(conn, "SELECT id, name FROM tensors WHERE kind = 'param' ORDER BY id")
+    return tensor_names(conn, "param")
 
 
 def _layer_span(conn: sqlite3.Connection, start: Optional[int], end: Optional[int]) -> tuple[Optional[int], Optional[int]]:
@@ -69,7 +89,8 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
         start, end = _layer_span(conn, start, end)
         if start is None or end < start:
             return LayerGrid(names["name"].tolist(), metric, np.array([], dtype=np.int64), 1,
-                             np.full((len(names), 0), np.nan), np.zeros((len(names), 0), dtype=bool))
+                             np.full((len(names), 0), np.nan), np.zeros((len(names), 0), dtype=bool),
+                             names["aliases"].tolist())
         every = conn.execute("SELECT layer_every FROM run").fetchone()[0] or 1
         if (end - start + 1) / every <= buckets:
             # Few enough detail steps to show each as its own column (no empty stripes between them).
@@ -97,13 +118,13 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
     values[r, c] = v
     bad = np.isinf(values)
     values[bad] = np.nan
-    return LayerGrid(names["name"].tolist(), metric, cols, width, values, bad)
+    return LayerGrid(names["name"].tolist(), metric, cols, width, values, bad, names["aliases"].tolist())
 
 
 def grid_frame(grid: LayerGrid) -> pd.DataFrame:
     """The grid as long rows (layer, first step of the column, value, nonfinite) for CSV export."""
     n, m = grid.values.shape
-    return pd.DataFrame({"layer": np.repeat(grid.names, m), "step_from": np.tile(grid.bucket_starts, n),
+    return pd.DataFrame({"layer": np.repeat(grid.labels, m), "step_from": np.tile(grid.bucket_starts, n),
                          "steps": grid.width, f"max_{grid.metric}": grid.values.ravel(),
                          "nonfinite": grid.nonfinite.ravel()})
 

@@ -213,6 +213,26 @@ class Run:
         return f"<ampwatch.Run {self.name!r} {str(self.path)!r}>"
 
 
+# Config keys that loops and frameworks use for the clip threshold (HF, nanoGPT, Lightning, others):
+# only a fallback for runs where the clip_grad_norm_ call was not seen (older runs, FSDP1's own clip).
+CLIP_CONFIG_KEYS = ("max_grad_norm", "grad_clip", "gradient_clip_val", "clip_grad_norm", "max_norm",
+                    "clip_norm", "grad_norm_clip", "clip_grad")
+
+
+def clip_threshold(info: dict[str, Any]) -> Optional[float]:
+    """The run's clip ``max_norm``: as observed in the ``clip_grad_norm_`` call (``clip_max_norm``,
+    issue 13), else the first positive number under a known config key, else None."""
+    observed = info.get("clip_max_norm")
+    if isinstance(observed, (int, float)) and observed > 0:
+        return float(observed)
+    config = info.get("config") or {}
+    for key in CLIP_CONFIG_KEYS:
+        value = config.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
 def alias_map(rows: list[tuple[str, Optional[str]]]) -> dict[str, list[str]]:
     """(name, JSON list of other names) rows -> every name to its other names, both ways."""
     out: dict[str, list[str]] = {}

@@ -48,6 +48,16 @@ def attach_options(options: dict[str, Any], framework: str, framework_config: di
     return merged
 
 
+def run_path(path: Optional[str], first: Any) -> Optional[str]:
+    """The path for a callback's next run: as given for its first (``attach`` refuses an existing
+    file), then numbered siblings of the first run's file (``a-2.sqlite``), as documented: each
+    ``train()``/``fit()`` gets its own file, and ``callback.watch.path`` says which."""
+    if path is None or first is None:
+        return path
+    from ..runinfo import next_free
+    return str(next_free(first))
+
+
 def plain(value: Any) -> Any:
     """A JSON-able form of a framework setting (enums by value, the rest as is or as text)."""
     value = getattr(value, "value", value)
@@ -71,4 +81,4 @@ def format_error(exc: Optional[BaseException]) -> Optional[str]:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
-__all__ = ["require", "check_options", "attach_options", "plain", "note_amp_dtype", "format_error"]
+__all__ = ["require", "check_options", "attach_options", "run_path", "plain", "note_amp_dtype", "format_error"]

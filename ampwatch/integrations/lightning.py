@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .. import probes
-from . import attach_options, check_options, format_error, note_amp_dtype, plain, require
+from . import attach_options, check_options, format_error, note_amp_dtype, plain, require, run_path
 
 pl = require("lightning.pytorch", "lightning")
 
@@ -47,6 +47,7 @@ class AmpwatchCallback(pl.Callback):
 
     def __init__(self, path: Optional[str] = None, **options: Any) -> None:
         self.path = path
+        self._first_path: Any = None  # where the first run went; later runs are its numbered siblings
         self.options = check_options(options, "lightning")
         self.watch: Any = None
         self._losses: list[torch.Tensor] = []
@@ -64,8 +65,10 @@ class AmpwatchCallback(pl.Callback):
         # Manual optimization passes the user's loss to backward as is.
         self._accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         self._losses = []
-        self.watch = ampwatch.attach(pl_module, trainer.optimizers[0], scaler, path=self.path,
+        path = run_path(self.path, self._first_path)
+        self.watch = ampwatch.attach(pl_module, trainer.optimizers[0], scaler, path=path,
                                      **attach_options(self.options, "lightning", training_config(trainer, pl_module)))
+        self._first_path = self._first_path or self.watch.path
         note_amp_dtype(self.watch, _AUTOCAST.get(str(trainer.precision)))
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import attach_options, check_options, format_error, note_amp_dtype, plain, require
+from . import attach_options, check_options, format_error, note_amp_dtype, plain, require, run_path
 
 transformers = require("transformers", "transformers")
 
@@ -90,6 +90,7 @@ class AmpwatchCallback(transformers.TrainerCallback):
 
     def __init__(self, path: Optional[str] = None, **options: Any) -> None:
         self.path = path
+        self._first_path: Any = None  # where the first run went; later runs are its numbered siblings
         self.options = check_options(options, "transformers")
         self.watch: Any = None
         self._trainer: Any = None
@@ -117,8 +118,10 @@ class AmpwatchCallback(transformers.TrainerCallback):
             _guard_train(trainer)
             scaler = getattr(trainer.accelerator, "scaler", None)
         self._losses = []
-        self.watch = ampwatch.attach(model, optimizer, scaler, path=self.path,
+        path = run_path(self.path, self._first_path)
+        self.watch = ampwatch.attach(model, optimizer, scaler, path=path,
                                      **attach_options(self.options, "transformers", training_config(args)))
+        self._first_path = self._first_path or self.watch.path
         if trainer is not None:
             self._capture_losses(trainer)
             note_amp_dtype(self.watch, _autocast_dtype(trainer.accelerator))

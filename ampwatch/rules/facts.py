@@ -135,6 +135,11 @@ class Facts:
         kind = self.module_type(name)
         return f"{name} ({kind})" if kind else name
 
+    def also(self, name: str) -> str:
+        """`` (tied: also transformer.wte.weight)`` for a tied parameter or shared module, else ""."""
+        others = self._run.aliases().get(name) if hasattr(self._run, "aliases") else None
+        return f" (tied: also {', '.join(others)})" if others else ""
+
     # -- steps ---------------------------------------------------------------------------------------
 
     def jump(self, first: int, last: int, pad: int = 10) -> tuple[int, int]:

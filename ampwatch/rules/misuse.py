@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..doctor import Finding, num, span
+from ..reader import clip_threshold
 from .facts import Facts
 
 
@@ -69,7 +70,7 @@ def misuse_clip_scaled(facts: Facts) -> list[Finding]:
         inside = ratio.between(*CLIP_RATIO_BAND).mean()
         if inside >= 0.5:
             steps = g.loc[ok, "step"]
-            clip = facts.info.get("config", {}).get("max_grad_norm")
+            clip = clip_threshold(facts.info)
             out.append(facts.finding(
                 "misuse-clip-scaled", "warning", "Gradients were clipped while still scaled",
                 int(steps.min()), int(steps.max()),

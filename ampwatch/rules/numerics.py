@@ -165,7 +165,7 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     same = ev[(ev["module"] == module) & (ev["phase"] == phase)]["step"].nunique()
     label = facts.module_label(module)
     what = {"forward": f"the forward output of {label}", "backward": f"the gradient {label} passes back",
-            "loss": "the loss", "param_grad": f"the gradient of parameter {module}"}[phase]
+            "loss": "the loss", "param_grad": f"the gradient of parameter {module}{facts.also(module)}"}[phase]
     count = f"{int(e['count']):,} " if pd.notna(e["count"]) else ""
     dtype = f", {e['dtype']}" if isinstance(e["dtype"], str) else ""
     extra, advice = origin_advice(facts, module, phase, first, e["kind"])

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from ..doctor import Finding, num
+from ..reader import clip_threshold
 from .facts import Facts
 from .origins import describe_origins, origin_advice
 
@@ -96,7 +97,7 @@ def loss_spike(facts: Facts) -> list[Finding]:
     s = facts.steps[facts.steps["step"] <= facts.healthy_end]
     s = s[np.isfinite(s["loss"].astype(float))]
     hits = _outliers(s["step"], s["loss"], **LOSS_SPIKE)
-    clip = facts.info.get("config", {}).get("max_grad_norm")
+    clip = clip_threshold(facts.info)
     advice = ("Look at the batches of these steps (corrupt or outlier samples, a data-loader bug); "
               "a lower learning rate or a longer warm-up helps"
               + (f"; gradients are clipped at max_norm={clip}, which bounds the damage." if clip else
@@ -110,10 +111,10 @@ def grad_norm_explosion(facts: Facts) -> list[Finding]:
     s = s[np.isfinite(s["grad_norm"].astype(float))]
     hits = _outliers(s["step"], s["grad_norm"], **GRAD_SPIKE)
     median = float(s["grad_norm"].median()) if len(s) else float("nan")
-    clip = facts.info.get("config", {}).get("max_grad_norm")
+    clip = clip_threshold(facts.info)
     advice = (f"Clip gradients after unscaling: scaler.unscale_(optimizer); "
               f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={2 * median:.2g}) (2x the run's "
-              f"median norm {median:.3g})" + (f"; the configured max_grad_norm={clip} already bounds the update"
+              f"median norm {median:.3g})" + (f"; the clip at max_norm={clip:g} already bounds the update"
                                               if clip else "")
               + "; if it recurs, lower the learning rate or check the batches at these steps.")
     return _outlier_finding(facts, "grad-norm-explosion", "Gradient norm", hits, advice)
