@@ -1,0 +1,93 @@
+"""Issue 13: nanoGPT's loop (examples/nanogpt_loop.py) recorded with one line; every column is checked
+against the numbers the loop computes itself, including the loss nanoGPT prints."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampwatch
+
+_spec = importlib.util.spec_from_file_location(
+    "nanogpt_loop", Path(__file__).resolve().parents[1] / "examples" / "nanogpt_loop.py")
+ng = importlib.util.module_from_spec(_spec)
+sys.modules["nanogpt_loop"] = ng  # dataclasses look their module up
+_spec.loader.exec_module(ng)
+
+ITERS = 8
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    # init_scale 2^24: the first steps overflow and are skipped inside the fused AdamW kernel
+    out = tmp_path_factory.mktemp("nanogpt") / "nanogpt.sqlite"
+    return ng.train(str(out), max_iters=ITERS, init_scale=2.0 ** 24, verbose=False)
+
+
+def test_every_column_matches_the_loops_own_numbers(recorded):
+    truth, run = recorded["truth"], ampwatch.load(recorded["path"])
+    s = run.steps
+    assert list(s["step"]) == list(range(ITERS))
+    assert list(s["skipped"]) == truth["skipped"] and any(truth["skipped"]) and not all(truth["skipped"])
+    assert list(s["loss_scale"]) == truth["scale"]
+    assert list(s["lr"]) == pytest.approx(truth["lr"], rel=1e-12)
+    assert set(s["micro_batches"]) == {4}
+    ok = [not k for k in truth["skipped"]]
+    assert list(s["grad_norm"][ok]) == pytest.approx([g for g, k in zip(truth["grad_norm"], ok) if k], rel=1e-4)
+    assert not any(math.isfinite(g) for g, k in zip(s["grad_norm"], ok) if not k)  # overflowed steps
+    # the loss is the objective of the step (sum of loss / 4 = mean micro-batch loss) ...
+    assert list(s["loss"]) == pytest.approx(truth["loss"], rel=1e-5)
+    # ... on the scale of what nanoGPT prints (its last micro-batch x 4), not a quarter of it
+    assert list(s["loss"]) == pytest.approx(truth["printed"], rel=0.05)
+    info = run.info
+    assert info["loss_definition"] == "scaled-sum" and info["clip_max_norm"] == recorded["grad_clip"]
+    assert info["optimizer"] == "AdamW" and info["scaler_enabled"] and info["amp_dtype"] == "float16"
+    model = recorded["model"]
+    assert info["param_count"] == sum(p.numel() for p in model.parameters())  # the tied weight once
+    t = run.tensors.set_index("name")
+    assert t.loc["transformer.wte.weight", "aliases"] == "lm_head.weight"
+    assert "lm_head.weight" not in t.index
+
+
+def test_attaching_changes_no_number(recorded, tmp_path):
+    plain = ng.train(None, max_iters=ITERS, init_scale=2.0 ** 24, verbose=False)
+    for (name, a), b in zip(plain["model"].named_parameters(), recorded["model"].parameters()):
+        assert torch.equal(a, b), name
+    assert repr(plain["truth"]) == repr(recorded["truth"])  # repr: NaN norms of skipped steps compare equal
+
+
+def test_a_weight_gradient_overflow_in_lm_head_is_named_lm_head(tmp_path):
+    """ln_f's bias +100: lm_head's fp16 weight gradient overflows while every activation gradient
+    stays finite. The tied tensor is first named transformer.wte.weight, but the embedding runs in
+    fp32 and cannot overflow: the event names lm_head.weight, with the embedding as its alias."""
+    result = ng.train(str(tmp_path / "fault.sqlite"), max_iters=5, fault=(3, 100.0), verbose=False)
+    run = ampwatch.load(result["path"])
+    assert result["truth"]["skipped"][3]
+    tied = run.events[run.events["aliases"] != ""]
+    assert len(tied) and set(tied["module"]) == {"lm_head.weight"} and set(tied["phase"]) == {"param_grad"}
+    assert set(tied["aliases"]) == {"transformer.wte.weight"} and set(tied["step"]) >= {3}
+
+
+def test_the_doctor_names_the_tied_weight_by_the_module_that_overflowed(tmp_path):
+    """Without a GradScaler (a hand-scaled fp16 loss) a weight-gradient overflow is an error finding."""
+    torch.manual_seed(0)
+    model = ng.GPT(ng.GPTConfig())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = (torch.randint(64, (4, 16), generator=torch.Generator().manual_seed(i)) for i in (0, 1))
+    with torch.no_grad():
+        model.transformer.ln_f.bias.add_(100.0)
+    with ampwatch.attach(model, opt, path=str(tmp_path / "manual.sqlite")) as watch:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                _, loss = model(x, y)
+            (loss * 2.0 ** 14).backward()
+            watch.log(loss=loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    origin = next(f for f in ampwatch.diagnose(ampwatch.load(watch.path)) if f.id == "nonfinite-origin")
+    assert "born in lm_head.weight" in origin.title
+    assert "lm_head.weight (tied: also transformer.wte.weight)" in origin.evidence
