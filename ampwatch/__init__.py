@@ -21,10 +21,14 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     :param model: the ``nn.Module`` being trained (hooked for NaN/Inf localization).
     :param optimizer: its optimizer (wrapped optimizers such as Accelerate's are unwrapped).
     :param scaler: the ``GradScaler``, or None for bf16/fp32 (then ``watch.log(loss=loss)``).
-    :param path: run file; default ``runs/<name or timestamp>.sqlite``. ``{rank}`` is filled in.
+    :param path: run file; default ``runs/<name or timestamp>.sqlite`` (numbered if it exists).
+        An explicit path that exists is refused (:class:`RunError`) unless ``overwrite=True``;
+        ``watch.path`` is where the run went. ``{rank}`` is filled in; several ranks sharing one
+        path get ``.rank<N>`` files.
     :param name: run name (default: the file's stem).
     :param config: a JSON-able dict stored with the run (hyper-parameters).
-    :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict`` (see README).
+    :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``overwrite``
+        (see README).
 
     Cost: a few device ops and one device-to-host transfer per optimizer step (non-blocking on
     CUDA); disk writes happen on a background thread.

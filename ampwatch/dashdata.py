@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import RunError
-from .reader import _check_schema, check_run_file, clip_threshold, connect, effective_status, find_runs
+from .reader import _check_schema, alias_map, check_run_file, clip_threshold, connect, effective_status, find_runs
 from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # About one point per horizontal pixel of a wide chart; each bucket contributes up to ~10 rows.
@@ -262,11 +262,22 @@ def skip_rate(path: Any, buckets: int = 200) -> pd.DataFrame:
 
 # -- per step ---------------------------------------------------------------------------------------
 
+def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame) -> pd.DataFrame:
+    """An ``aliases`` column: the other names of a tied parameter / shared module ("" for none)."""
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
+    rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
+        if "aliases" in cols else []
+    others = alias_map(rows)
+    df["aliases"] = [", ".join(others.get(m, ())) for m in df["module"]]
+    return df
+
+
 def events(path: Any) -> pd.DataFrame:
     """NaN/Inf events, origin first within each step (the module where it was born)."""
     with open_run(path) as conn:
         df = _df(conn, "SELECT step, origin, module, phase, kind, count, amax, dtype FROM events "
                        "ORDER BY step, origin DESC, id")
+        df = _with_aliases(conn, df)
     df["origin"] = df["origin"].astype(bool)
     return df
 
@@ -287,6 +298,7 @@ def step_detail(path: Any, step: int) -> dict[str, Any]:
                             " WHERE m.step = ? ORDER BY m.module_id, m.phase", (int(step),))
         ev = _df(conn, "SELECT origin, module, phase, kind, count, amax, dtype FROM events WHERE step = ?"
                        " ORDER BY origin DESC, id", (int(step),))
+        ev = _with_aliases(conn, ev)
         metrics = _df(conn, "SELECT key, value FROM metrics WHERE step = ? ORDER BY key", (int(step),))
         near = conn.execute("SELECT MAX(step) FROM layers WHERE step <= ?", (int(step),)).fetchone()[0]
     return {"step": row, "layers": layers.drop(columns=["nan_mask"]), "modules": modules, "events": ev,

@@ -38,7 +38,8 @@ class AmpwatchCallback(pl.Callback):
     >>> L.Trainer(precision="16-mixed", callbacks=[AmpwatchCallback("runs/lit.sqlite")]).fit(model, data)
 
     :param path: the run file (as for :func:`ampwatch.attach`); a second ``fit`` gets a numbered
-        sibling (``lit-2.sqlite``), never overwriting.
+        sibling (``lit-2.sqlite``), never overwriting. A file already at ``path`` is refused
+        (``overwrite=True`` replaces it); ``callback.watch.path`` is where a run went.
     :param options: ``attach``'s: ``name``, ``config`` (merged over the Trainer settings kept in the
         run's config), ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``rank``.
 

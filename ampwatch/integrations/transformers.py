@@ -81,7 +81,8 @@ class AmpwatchCallback(transformers.TrainerCallback):
     >>> Trainer(model, args, train_dataset=ds, callbacks=[AmpwatchCallback("runs/gpt2.sqlite")]).train()
 
     :param path: the run file (as for :func:`ampwatch.attach`); a second ``train()`` gets a
-        numbered sibling (``gpt2-2.sqlite``), never overwriting.
+        numbered sibling (``gpt2-2.sqlite``), never overwriting. A file already at ``path`` is refused
+        (``overwrite=True`` replaces it); ``callback.watch.path`` is where a run went.
     :param options: ``attach``'s: ``name``, ``config`` (merged over the TrainingArguments kept in
         the run's config), ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``rank``.
 
