@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -36,9 +35,11 @@ _TARGETS = (
 )
 
 _lock = threading.Lock()
-_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# A tuple, replaced whole under the lock: the wrapper reads it without locking or copying (iterating a
+# WeakSet cost ~30x the rest of the wrapper). Watches are held until they close, as their scaler
+# wrappers hold them anyway.
+_listeners: tuple = ()
 _installed: dict[tuple[str, str], tuple[Any, Any]] = {}  # target -> (original, our wrapper)
-_seen = threading.local()  # suppresses the inner call: clip_grad_norm_ calls _clip_grads_with_norm_
 
 
 def _module(name: str) -> Any:
@@ -50,26 +51,25 @@ def _module(name: str) -> Any:
 
 
 def _wrap(original: Callable) -> Callable:
+    # clip_grad_norm_ calls _clip_grads_with_norm_, so a listener may hear one call twice: harmless,
+    # Watch.on_clip returns at once for a max_norm it already knows.
     @functools.wraps(original)
     def clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_seen, "active", False):
-            return original(parameters, max_norm, *args, **kwargs)
-        if not isinstance(parameters, torch.Tensor):
-            parameters = list(parameters)  # a generator must survive being looked at
-        for listener in list(_listeners):
-            listener.on_clip(parameters, max_norm)  # Watch.on_clip never raises
-        _seen.active = True
-        try:
-            return original(parameters, max_norm, *args, **kwargs)
-        finally:
-            _seen.active = False
+        if _listeners:
+            if not isinstance(parameters, torch.Tensor):
+                parameters = list(parameters)  # a generator must survive being looked at
+            for listener in _listeners:
+                listener.on_clip(parameters, max_norm)  # Watch.on_clip never raises
+        return original(parameters, max_norm, *args, **kwargs)
     return clip
 
 
 def listen(listener: Any) -> None:
     """Start telling ``listener.on_clip(parameters, max_norm)`` about every clip; wraps on first use."""
+    global _listeners
     with _lock:
-        _listeners.add(listener)
+        if listener not in _listeners:
+            _listeners = _listeners + (listener,)
         if _installed:
             return
         for target in _TARGETS:
@@ -83,9 +83,10 @@ def listen(listener: Any) -> None:
 
 def stop(listener: Any) -> None:
     """Stop telling ``listener``; the last listener to stop restores torch's functions."""
+    global _listeners
     with _lock:
-        _listeners.discard(listener)
-        if len(_listeners):
+        _listeners = tuple(x for x in _listeners if x is not listener)
+        if _listeners:
             return
         for (module_name, attr), (original, wrapper) in _installed.items():
             module = _module(module_name)

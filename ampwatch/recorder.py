@@ -169,8 +169,9 @@ class Watch:
 
     def on_clip(self, parameters: Any, max_norm: Any) -> None:
         """clipwatch: a clip call on (some of) our parameters; remember its threshold. No sync."""
-        if self._failed or self.closed:
-            return
+        self._guarded(self._on_clip)(parameters, max_norm)  # inside the user's clip call: never raises
+
+    def _on_clip(self, parameters: Any, max_norm: Any) -> None:
         first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
         if id(first) not in self._param_index:
             return  # another model's clip
@@ -178,10 +179,9 @@ class Watch:
             if not probes.reads_are_free(max_norm.device):
                 return  # reading it would sync; the dashboard falls back to the config keys
             max_norm = max_norm.item()
-        if isinstance(max_norm, (int, float)) and max_norm != self._max_norm:
-            self._guarded(self._note_max_norm)(float(max_norm))
-
-    def _note_max_norm(self, max_norm: float) -> None:
+        if not isinstance(max_norm, (int, float)) or max_norm == self._max_norm:
+            return
+        max_norm = float(max_norm)
         if self._max_norm is not None:
             self.writer.put_notice(self.step, "clip-threshold-changed",
                                    f"clip_grad_norm_ max_norm changed from {self._max_norm:g} to {max_norm:g}")

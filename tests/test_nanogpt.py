@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ampwatch
+from ampwatch import figures, layerdata
 
 _spec = importlib.util.spec_from_file_location(
     "nanogpt_loop", Path(__file__).resolve().parents[1] / "examples" / "nanogpt_loop.py")
@@ -51,6 +52,9 @@ def test_every_column_matches_the_loops_own_numbers(recorded):
     t = run.tensors.set_index("name")
     assert t.loc["transformer.wte.weight", "aliases"] == "lm_head.weight"
     assert "lm_head.weight" not in t.index
+    grid = layerdata.layer_heatmap(recorded["path"])  # the Layers page names the tensor by both names
+    assert "transformer.wte.weight = lm_head.weight" in grid.labels
+    assert "transformer.wte.weight = lm_head.weight" in list(figures.heatmap_figure(grid).data[0].y)
 
 
 def test_attaching_changes_no_number(recorded, tmp_path):
@@ -91,3 +95,18 @@ def test_the_doctor_names_the_tied_weight_by_the_module_that_overflowed(tmp_path
     origin = next(f for f in ampwatch.diagnose(ampwatch.load(watch.path)) if f.id == "nonfinite-origin")
     assert "born in lm_head.weight" in origin.title
     assert "lm_head.weight (tied: also transformer.wte.weight)" in origin.evidence
+
+
+def test_a_shared_module_and_its_weight_keep_every_name(tmp_path):
+    torch.manual_seed(0)
+    block = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(block, torch.nn.ReLU(), block)  # one module, registered twice
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampwatch.attach(model, opt, path=str(tmp_path / "shared.sqlite")) as watch:
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        watch.log(loss=loss)
+        opt.step()
+    t = ampwatch.load(watch.path).tensors.set_index("name")
+    assert t.loc["0.weight", "aliases"] == "2.weight" and t.loc["0.bias", "aliases"] == "2.bias"
+    assert t.loc["0", "aliases"] == "2" and "2" not in t.index
