@@ -262,13 +262,13 @@ def skip_rate(path: Any, buckets: int = 200) -> pd.DataFrame:
 
 # -- per step ---------------------------------------------------------------------------------------
 
-def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame) -> pd.DataFrame:
+def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame, column: str = "module") -> pd.DataFrame:
     """An ``aliases`` column: the other names of a tied parameter / shared module ("" for none)."""
     cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
     rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
         if "aliases" in cols else []
     others = alias_map(rows)
-    df["aliases"] = [", ".join(others.get(m, ())) for m in df["module"]]
+    df["aliases"] = [", ".join(others.get(m, ())) for m in df[column]]
     return df
 
 
@@ -293,6 +293,7 @@ def step_detail(path: Any, step: int) -> dict[str, Any]:
         for col, bit in LAYER_NAN_BITS.items():
             layers[col] = layers[col].astype(float).where((layers["nan_mask"] & bit) == 0, math.nan)
         layers["grad_norm_nan"] = (layers["nan_mask"] & LAYER_NAN_BITS["grad_norm"]) != 0
+        layers = _with_aliases(conn, layers, "layer")
         modules = _df(conn, "SELECT t.name AS module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END"
                             " AS phase, m.amax, m.nonfinite FROM modules m JOIN tensors t ON t.id = m.module_id"
                             " WHERE m.step = ? ORDER BY m.module_id, m.phase", (int(step),))
