@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..doctor import FP16_MAX, Finding, num, span
+from .finding import FP16_MAX, Finding, num, span
 from .facts import Facts
 from .origins import origin_advice
 

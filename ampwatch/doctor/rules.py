@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..doctor import Finding, num
+from .finding import Finding, num
 from .facts import Facts
 from .misuse import misuse_clip_scaled, misuse_config, misuse_notices
 from .numerics import (FP32_MODULE_TYPES, HEADROOM_FACTOR, HEADROOM_MIN_ROWS, UNDERFLOW_EXCESS,

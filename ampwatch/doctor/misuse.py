@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..doctor import Finding, num, span
+from .finding import Finding, num, span
 from .facts import Facts
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 import pandas as pd
 
-from ..doctor import Finding
+from .finding import Finding
 from ..reader import connect
 from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
