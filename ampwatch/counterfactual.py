@@ -21,9 +21,10 @@ How it stays out of training's way:
   forward of one module.
 * It changes nothing training sees: ``torch.no_grad`` (no graph), the RNG state forked and restored
   (dropout draws no numbers from the training stream; its mask differs from the original call's),
-  parameters and buffers replaced by fp32 copies through ``torch.func.functional_call`` (BatchNorm
-  updates running stats on the copies), the recorder's own hooks paused. Hooks other code registered
-  on the module still run.
+  parameters and buffers replaced by fp32 copies (torch.func.functional_call's mechanism; BatchNorm
+  updates running stats on the copies), the recorder's own hooks paused. The module's ``forward`` is
+  called, not the module: its own hooks already ran on the kept inputs (its children's hooks, other
+  code's included, do run).
 * An input modified in place after the call (its version counter moved) makes the recompute
   meaningless: then none is done (None). Under ``torch.compile`` module hooks do not run inside the
   compiled graph, so there are no kept inputs and no origin: None.
@@ -102,13 +103,22 @@ class InputKeeper:
         return recompute_fp32(module, args, kwargs, self._localizer)
 
 
+def _swapped(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """Parameters and buffers of ``module`` replaced by ``tensors`` for the ``with`` block, restored
+    after (torch.func.functional_call's mechanism; it would also re-run the module's own hooks)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
 def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: Optional[Localizer] = None
                    ) -> Optional[float]:
     """Run ``module`` on fp32 copies of ``args``/``kwargs``, its parameters and buffers, with autocast
     off, no grad, the RNG forked and the localizer's hooks paused; return max |output|."""
     params = {n: p.detach().float() if p.is_floating_point() else p for n, p in module.named_parameters()}
     # Buffers are cloned even when already fp32: BatchNorm updates running stats in place.
-    buffers = {n: b.detach().float() if b.is_floating_point() else b.clone() for n, b in module.named_buffers()}
+    # (.float() of an fp32 tensor is that same tensor: copy=True makes the copy.)
+    buffers = {n: b.detach().to(torch.float32, copy=True) if b.is_floating_point() else b.clone()
+               for n, b in module.named_buffers()}
     device = next(iter(params.values()), next(iter(buffers.values()), None))
     devices = [device.device] if device is not None and device.device.type == "cuda" else []
     device_type = device.device.type if device is not None else "cpu"
@@ -117,9 +127,9 @@ def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: O
         localizer._active = False
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), \
-                torch.autocast(device_type, enabled=False):
-            out = torch.func.functional_call(module, {**params, **buffers}, _upcast(args), _upcast(kwargs),
-                                             strict=False, tie_weights=True)
+                torch.autocast(device_type, enabled=False), _swapped(module, {**params, **buffers}):
+            # forward, not __call__: the module's own hooks already ran on the kept inputs (children's run)
+            out = module.forward(*_upcast(args), **_upcast(kwargs))
         return output_amax(out)
     finally:
         if localizer is not None:

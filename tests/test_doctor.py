@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampwatch
-from ampwatch import rules
+from ampwatch.doctor import rules
 from ampwatch.cli import cli
 from ampwatch.demo import TinyGPT, batches
 from ampwatch.doctor import Finding, diagnose, format_report
@@ -500,7 +500,7 @@ def test_facts_queries_agree_with_the_whole_tables(runs, name):
     tables, filtered in pandas the way the rules used to, are the ground truth."""
     import numpy as np
     import pandas as pd
-    from ampwatch.rules.facts import Facts
+    from ampwatch.doctor.facts import Facts
     run, _ = runs(name)
     layers, mods = run.layers, run.modules
     scale = run.steps.set_index("step")["loss_scale"]

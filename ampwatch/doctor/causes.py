@@ -20,25 +20,30 @@ CAUSES = ("run-crashed", "nonfinite-origin", "recurring-overflow", "scale-collap
 # What each kind of consequence may be explained by, beyond a shared origin.
 EXPLAINED_BY = {"no-steps": ("run-crashed",), "grad-underflow": ("scale-collapse",),
                 "divergence": ("nonfinite-origin",)}
-CONSEQUENCES = ("recurring-overflow", "scale-collapse", "divergence", "grad-underflow", "late-skips",
+CONSEQUENCES = ("nonfinite-origin", "recurring-overflow", "scale-collapse", "divergence", "grad-underflow", "late-skips",
                 "loss-spike", "grad-norm-explosion", "no-steps")
+
+
+def _rank(f: Finding) -> tuple[int, int]:
+    """Causes come before what they explain: earlier first, then the more fundamental kind. A
+    finding only points at one of smaller rank, so the links never form a circle."""
+    return f.steps[0], CAUSES.index(f.id) if f.id in CAUSES else len(CAUSES)
 
 
 def _cause_of(f: Finding, by_id: dict[str, Finding], facts: Facts) -> Optional[str]:
     if f.id not in CONSEQUENCES:
         return None
     claim = facts.claims.get(f.id)
+    candidates = []
     for cause in CAUSES:
         if cause == f.id or cause not in by_id:
             continue
-        if CAUSES.index(cause) > CAUSES.index(f.id) if f.id in CAUSES else False:
-            continue  # a cause is never explained by a less fundamental one
         same_origin = claim is not None and facts.claims.get(cause) == claim
-        if same_origin or cause in EXPLAINED_BY.get(f.id, ()):
-            if f.id == "divergence" and not same_origin and by_id[cause].steps[0] > f.steps[0]:
-                continue  # an origin born after the divergence began does not explain it
-            return cause
-    return None
+        if same_origin and _rank(by_id[cause]) < _rank(f):
+            candidates.append(by_id[cause])
+        elif cause in EXPLAINED_BY.get(f.id, ()) and by_id[cause].steps[0] <= f.steps[0]:
+            candidates.append(by_id[cause])  # e.g. an origin born before the divergence began
+    return min(candidates, key=_rank).id if candidates else None
 
 
 def group(findings: list[Finding], facts: Facts) -> list[Finding]:
