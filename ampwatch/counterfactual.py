@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from .localize import Localizer, _tensors
+from .localize import Localizer, _tensor_list, _tensors
 
 
 def _upcast(obj: Any, depth: int = 0) -> Any:
@@ -50,8 +50,10 @@ def _upcast(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
-def _versions(obj: Any) -> tuple[int, ...]:
-    return tuple(t._version for t in _tensors(obj))
+def _versions(args: Any, kwargs: Any) -> tuple[int, ...]:
+    """Version counters of a call's floating tensors, listed as the localizer's pre-hook lists them."""
+    tensors = _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
+    return tuple(t._version for t in tensors)
 
 
 def output_amax(output: Any) -> Optional[float]:
@@ -79,9 +81,10 @@ class InputKeeper:
         self._inputs: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
         self._pinned: set[int] = set()
 
-    def keep(self, index: int, args: Any, kwargs: Any) -> None:
+    def keep(self, index: int, args: Any, kwargs: Any, tensors: list) -> None:
+        """Called by the localizer's pre-hook with the call's floating tensors (already listed)."""
         if index not in self._pinned:
-            self._inputs[index] = (args, kwargs, _versions((args, kwargs)))
+            self._inputs[index] = (args, kwargs, tuple(t._version for t in tensors))
 
     def settle(self, index: int, output_bad: bool, inputs_bad: bool) -> None:
         if output_bad and not inputs_bad and index in self._inputs:
@@ -97,7 +100,7 @@ class InputKeeper:
         if kept is None:
             return None
         args, kwargs, versions = kept
-        if _versions((args, kwargs)) != versions:
+        if _versions(args, kwargs) != versions:
             return None  # modified in place since the call: not the inputs it saw
         module = self._localizer.modules[index]
         return recompute_fp32(module, args, kwargs, self._localizer)

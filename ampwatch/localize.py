@@ -167,7 +167,7 @@ class Localizer:
             tensors = _tensor_list(args) + _tensor_list(kwargs)
         self._pending_inputs.setdefault(index, []).append([self._slot_for(t) for t in tensors])
         if self.keeper is not None:
-            self.keeper.keep(index, args, kwargs)
+            self.keeper.keep(index, args, kwargs, tensors)
         if torch.is_grad_enabled():
             for t in tensors:
                 if t.requires_grad:

@@ -186,7 +186,7 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     dtype = f", {e['dtype']}" if isinstance(e["dtype"], str) else ""
     extra, advice = origin_advice(facts, module, phase, first, e["kind"])
     verdict, fp32_advice = fp32_verdict(e, dtype=e["dtype"] if isinstance(e["dtype"], str) else "fp16")
-    if fp32_advice:
+    if fp32_advice and not extra:  # an overwritten weight is the more specific cause: its advice stays
         advice = fp32_advice
     into = e.get("flows_into")
     where = (f"; made in {module}'s own code (between its children), flowing into {into}"
