@@ -66,29 +66,37 @@ def summary(path: str) -> None:
                f"(loss first NaN/inf at step {_fmt(s['first_nonfinite_loss_step'])})")
     click.echo(f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
                f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}")
+    for i, line in enumerate(s.get("error_tail") or []):
+        click.echo(f"{'crashed' if i == 0 else '':<8} {line}")
 
 
 @cli.command(name="ls")
 @click.argument("folder", default="runs")
 def ls_(folder: str) -> None:
-    """One line per run in FOLDER (default: runs): name, status, steps, skipped %, last loss.
+    """One line per run in FOLDER (default: runs): name, status, steps, skipped %, last loss, health.
+
+    Health is the doctor's verdict: the worst severity and the first root cause's headline, or "ok"
+    when nothing is above info.
 
     \b
     Example:
         ampwatch ls sample_runs
     """
+    from .doctor import diagnose, health
     from .reader import find_runs
     from .summary import summarize
     paths = find_runs(folder)
-    click.echo(f"{'name':<28} {'status':<12} {'steps':>8} {'skipped%':>9} {'last loss':>10}")
+    click.echo(f"{'name':<28} {'status':<12} {'steps':>8} {'skipped%':>9} {'last loss':>10}  health")
     for path in paths:
         try:
-            s = summarize(_load(str(path)))
+            run = _load(str(path))
+            s = summarize(run)
+            verdict = health(diagnose(run))
         except RunError as exc:
             click.echo(f"{path.name:<28} unreadable: {exc}")
             continue
         click.echo(f"{s['name']:<28} {s['status']:<12} {s['steps']:>8} {s['skipped_pct']:>9.1f} "
-                   f"{_fmt(s['loss_last']):>10}")
+                   f"{_fmt(s['loss_last']):>10}  {verdict}")
 
 
 @cli.command()
@@ -157,7 +165,7 @@ def doctor(path: str, as_json: bool, fail_on: str) -> None:
         ampwatch doctor sample_runs/diverged.sqlite
         ampwatch doctor sample_runs --json
     """
-    from .doctor import SEVERITIES, diagnose, format_report
+    from .doctor import SEVERITIES, diagnose, format_report, health, health_line
     from .reader import find_runs
     folder = Path(path).is_dir()
     paths = find_runs(path) if folder else [Path(path)]
@@ -177,11 +185,20 @@ def doctor(path: str, as_json: bool, fail_on: str) -> None:
             status = max(status, 1)
         reports.append((run, findings))
     if as_json:
-        payload = [{"run": r.name, "path": str(r.path), "findings": [f.to_dict() for f in fs]} for r, fs in reports]
+        payload = [_json_report(r, fs, health(fs)) for r, fs in reports]
         click.echo(json.dumps(payload if folder else payload[0], indent=2))
     else:
-        click.echo(("\n\n" + "-" * 100 + "\n").join(format_report(r, fs) for r, fs in reports))
+        head = "\n".join(health_line(r, fs) for r, fs in reports) + "\n\n" if folder else ""
+        click.echo(head + ("\n\n" + "-" * 100 + "\n").join(format_report(r, fs) for r, fs in reports))
     sys.exit(status)
+
+
+def _json_report(run: Any, findings: list, verdict: str) -> dict:
+    """``findings``: the flat list in report order (each with ``cause``); ``causes``: the same
+    findings as a tree, each root with its ``consequences``."""
+    flat = [f.to_dict() for f in findings]
+    causes = [dict(f, consequences=[c for c in flat if c["cause"] == f["id"]]) for f in flat if f["cause"] is None]
+    return {"run": run.name, "path": str(run.path), "health": verdict, "findings": flat, "causes": causes}
 
 
 def main(argv: Optional[list] = None) -> None:

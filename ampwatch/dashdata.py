@@ -26,6 +26,7 @@ import pandas as pd
 from .errors import RunError
 from .reader import _check_schema, alias_map, check_run_file, clip_threshold, connect, effective_status, find_runs
 from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from .summary import error_tail
 
 # About one point per horizontal pixel of a wide chart; each bucket contributes up to ~10 rows.
 STEP_BUCKETS = 2000
@@ -66,6 +67,15 @@ def _steps_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 # -- runs table -------------------------------------------------------------------------------------
 
+def warmup_end(conn: sqlite3.Connection) -> int:
+    """The first step after the scaler's warm-up: the leading, back-to-back skipped steps (the doctor's
+    definition, docs/doctor.md). Gradient overflow before it is the scaler backing off, not a NaN run.
+    A run that never has a clean step has no warm-up (it never ended)."""
+    first, first_clean = conn.execute("SELECT MIN(step), (SELECT MIN(step) FROM steps WHERE skipped = 0)"
+                                      " FROM steps").fetchone()
+    return first_clean if first is not None and first_clean is not None else (first or 0)
+
+
 def run_row(path: Any) -> dict[str, Any]:
     """One row of the runs table, from SQL aggregates (fast on a 1M-step run)."""
     with open_run(path) as conn:
@@ -76,8 +86,11 @@ def run_row(path: Any) -> dict[str, Any]:
         n, skipped, first, last = conn.execute(
             "SELECT COUNT(*), COALESCE(SUM(skipped), 0), MIN(step), MAX(step) FROM steps").fetchone()
         tail = conn.execute("SELECT loss, loss_scale, nan_mask FROM steps ORDER BY step DESC LIMIT 1").fetchone()
-        bad = conn.execute(f"SELECT MIN(step) FROM steps WHERE {_NONFINITE_STEP}").fetchone()[0]
-        ev = conn.execute("SELECT MIN(step) FROM events").fetchone()[0]
+        warm = warmup_end(conn)
+        bad = conn.execute(f"SELECT MIN(step) FROM steps WHERE ({_NONFINITE_STEP}) AND (step >= ? OR"
+                           f" (nan_mask & {STEP_NAN_BITS['loss']}) != 0 OR abs(loss) > {_INF})", (warm,)).fetchone()[0]
+        ev = conn.execute("SELECT MIN(step) FROM events WHERE step >= ? OR phase IN ('forward', 'loss')",
+                          (warm,)).fetchone()[0]
     last_loss = None
     if tail is not None:
         last_loss = math.nan if tail["nan_mask"] & STEP_NAN_BITS["loss"] else tail["loss"]
@@ -87,7 +100,17 @@ def run_row(path: Any) -> dict[str, Any]:
             "final_scale": tail["loss_scale"] if tail is not None else None,
             "first_nonfinite_step": min(firsts) if firsts else None, "last_loss": last_loss,
             "started": pd.to_datetime(info["started_at"], unit="s"), "amp_dtype": info.get("amp_dtype"),
-            "first_step": first, "last_step": last}
+            "first_step": first, "last_step": last, "error_tail": error_tail(info) if effective_status(info) == "crashed" else []}
+
+
+def run_health(path: Any) -> str:
+    """The doctor's one-line verdict on a run: worst severity and first root cause, or ``ok``."""
+    from .doctor import diagnose, health
+    from .reader import Run
+    try:
+        return health(diagnose(Run(path)))
+    except RunError as exc:
+        return f"unreadable: {exc}"
 
 
 def runs_table(folder: Any) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
@@ -102,6 +125,8 @@ def runs_table(folder: Any) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
             rows.append(run_row(f))
         except RunError as exc:
             bad.append((f.name, str(exc)))
+            continue
+        rows[-1]["health"] = run_health(f)
     df = pd.DataFrame(rows)
     if rows:  # object dtype keeps None (no loss logged) apart from NaN (the loss was NaN)
         df["last_loss"] = pd.Series([r["last_loss"] for r in rows], dtype=object)

@@ -40,6 +40,10 @@ class StepRecords:
     calls: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     # backward hook firings in order: (slot id of the gradient, [(module index, "in"|"out"), ...])
     grads: list[tuple[int, list[tuple[int, str]]]] = field(default_factory=list)
+    host_bad: bool = False  # a host-read slot was non-finite (known for free where reads are free)
+    # fp32 recompute of the forward origin (module index -> max |output|), see counterfactual.py
+    fp32_amax: dict[int, Optional[float]] = field(default_factory=dict)
+    fp32_checked: bool = False
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -85,6 +89,9 @@ class Localizer:
         self._should_record = should_record
         self._handles: list[Any] = []
         self._active = True
+        self.modules: list[torch.nn.Module] = []
+        # Optional observer of forward inputs (counterfactual.InputKeeper): keep/settle per call.
+        self.keeper: Any = None
         seen: set[int] = set()
         for name, module in model.named_modules():
             if id(module) in seen:  # a module registered twice is hooked once, under its first name
@@ -93,6 +100,7 @@ class Localizer:
             index = len(self.names)
             self.names.append(name or "<model>")
             self.types.append(type(module).__name__)
+            self.modules.append(module)
             self._handles.append(module.register_forward_pre_hook(
                 partial(self._before_forward, index), with_kwargs=True))
             self._handles.append(module.register_forward_hook(partial(self._after_forward, index)))
@@ -129,6 +137,7 @@ class Localizer:
             nan = inf = 0.0
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 nan, inf = float(torch.isnan(t).sum()), float(torch.isinf(t).sum())
+                records.host_bad = True
             records.slots.append(Slot(_dtype_name(t.dtype), host=(lo, hi, nan, inf)))
         else:
             stats = torch.stack([mn.to(self._pack_dtype), mx.to(self._pack_dtype),
@@ -157,6 +166,8 @@ class Localizer:
         else:
             tensors = _tensor_list(args) + _tensor_list(kwargs)
         self._pending_inputs.setdefault(index, []).append([self._slot_for(t) for t in tensors])
+        if self.keeper is not None:
+            self.keeper.keep(index, args, kwargs, tensors)
         if torch.is_grad_enabled():
             for t in tensors:
                 if t.requires_grad:
@@ -168,11 +179,26 @@ class Localizer:
         stack = self._pending_inputs.get(index)
         inputs = stack.pop() if stack else []
         tensors = _tensor_list(output)
-        self._records.calls.append((index, inputs, [self._slot_for(t) for t in tensors]))
+        outputs = [self._slot_for(t) for t in tensors]
+        self._records.calls.append((index, inputs, outputs))
+        if self.keeper is not None and self._records.host_bad:  # host path only: values known now
+            slots = self._records.slots
+            bad = [not _slot_finite(slots[i]) for i in outputs], [not _slot_finite(slots[i]) for i in inputs]
+            self.keeper.settle(index, any(bad[0]), any(bad[1]))
         if torch.is_grad_enabled():
             for t in tensors:
                 if t.requires_grad:
                     self._watch_grad(t, index, "out")
+
+    def forward_origin(self) -> Optional[int]:
+        """The forward origin of the step so far (module index), or None. Reads device stats: a
+        sync where reads are not free, so callers ask only on steps known to be bad."""
+        records = self._records
+        values = [] if not records.device_stats else torch.cat(records.device_stats).tolist()
+        resolved = resolve_values(records, values)
+        if not any_nonfinite(resolved):
+            return None
+        return analyse(records, resolved, self.names)[1][FORWARD]
 
     def _watch_grad(self, t: torch.Tensor, index: int, role: str) -> None:
         key = id(t)
@@ -188,6 +214,10 @@ class Localizer:
         # Must never raise or return a tensor: it runs inside the user's backward().
         if self._active and grad is not None and grad.is_floating_point() and grad.numel() > 0:
             self._records.grads.append((self._reduce(grad), roles))
+
+
+def _slot_finite(slot: Slot) -> bool:
+    return slot.host is None or (math.isfinite(slot.host[0]) and math.isfinite(slot.host[1]))
 
 
 # -- host-side analysis (pure Python over one step's resolved values) ---------------------------
@@ -268,6 +298,40 @@ def analyse(records: StepRecords, values: list[tuple[float, float, float, float]
         if candidates and origins[BACKWARD] is None:
             origins[BACKWARD] = _innermost(candidates, names)
     return stats, origins
+
+
+def _child_of(container: str, name: str) -> Optional[str]:
+    """The direct child of ``container`` that ``name`` lies in (``h.0`` + ``h.0.attn.c`` -> ``h.0.attn``)."""
+    prefix = "" if container == "<model>" else container + "."
+    if name == container or name == "<model>" or not name.startswith(prefix):
+        return None
+    return prefix + name[len(prefix):].split(".", 1)[0]
+
+
+def flows_into(records: StepRecords, values: list[tuple[float, float, float, float]], names: list[str],
+               origins: dict[str, Optional[int]]) -> dict[str, Optional[str]]:
+    """For an origin in a container's own code (between its children): the child the non-finite
+    value went into. Forward: the first child call with a non-finite input. Backward: the first
+    child whose output gradient is non-finite (gradients flow from the container's code into it)."""
+    bad, _ = _slot_summaries(values)
+    out: dict[str, Optional[str]] = {FORWARD: None, BACKWARD: None}
+    if origins[FORWARD] is not None:
+        container = names[origins[FORWARD]]
+        for module, inputs, _outputs in records.calls:
+            child = _child_of(container, names[module])
+            if child is not None and any(bad[s] for s in inputs):
+                out[FORWARD] = child
+                break
+    if origins[BACKWARD] is not None:
+        container = names[origins[BACKWARD]]
+        for slot, roles in records.grads:
+            if bad[slot]:
+                child = next((c for c in (_child_of(container, names[m]) for m, role in roles if role == "out")
+                              if c is not None), None)
+                if child is not None:
+                    out[BACKWARD] = child
+                    break
+    return out
 
 
 def resolve_values(records: StepRecords, device_values: list[float]) -> list[tuple[float, float, float, float]]:

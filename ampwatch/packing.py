@@ -120,9 +120,9 @@ class PackReader:
             count = int(nan + inf) if nan is not None else None
             out.events.append((pack.step, "param_grad", self._grad_name(pack, pid, seg("loc")),
                                _kind(nan or 0, inf or 0, n), count, _nullable(amax),
-                               self.param_dtypes[pid], 0))
+                               self.param_dtypes[pid], 0, None, None, None))
         if loss is not None and not math.isfinite(loss):
-            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0))
+            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0, None, None, None))
         if pack.loc is not None:
             self._localization_rows(pack, seg("loc"), out)
         return out
@@ -165,11 +165,15 @@ class PackReader:
             return
         stats, origins = localize.analyse(records, values, self.module_names)
         has_events = any(s.nonfinite for s in stats.values())
+        into = localize.flows_into(records, values, self.module_names, origins) if has_events else {}
         for (module, phase), s in stats.items():
             if s.nonfinite:
+                origin = origins[phase] == module
+                fp32 = records.fp32_amax.get(module) if origin and phase == localize.FORWARD else None
                 out.events.append((pack.step, phase, self.module_names[module], _kind(s.nan, s.inf),
-                                   int(s.nan + s.inf), _nullable(s.amax), s.dtype,
-                                   int(origins[phase] == module)))
+                                   int(s.nan + s.inf), _nullable(s.amax), s.dtype, int(origin),
+                                   _nullable(fp32), None if fp32 is None else int(math.isnan(fp32)),
+                                   into.get(phase) if origin else None))
             if has_events or pack.step % self.layer_every == 0:
                 out.modules.append((self.module_ids[module], 0 if phase == localize.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))

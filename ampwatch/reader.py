@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import time
@@ -174,10 +175,26 @@ class Run:
 
     @property
     def events(self) -> pd.DataFrame:
-        df = self._table("events", "SELECT step, phase, module, kind, count, amax, dtype, origin FROM events"
-                                   " ORDER BY step, origin DESC, id")
+        """NaN/Inf events. ``fp32_amax`` (forward origins): the max |output| of the module recomputed
+        in fp32, as float NaN/inf where the recompute gave them and None where none was done (files
+        written before schema 3 read as None); ``flows_into``: for an origin in a container's own
+        code, the child the non-finite value went into (else None)."""
+        if "events" not in self._cache:
+            with connect(self.path) as conn:
+                cols = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
+            extra = ", fp32_amax, fp32_nan, flows_into" if "fp32_amax" in cols else \
+                ", NULL AS fp32_amax, NULL AS fp32_nan, NULL AS flows_into"
+            self._cache["events"] = self.query(f"SELECT step, phase, module, kind, count, amax, dtype, origin{extra}"
+                                               f" FROM events ORDER BY step, origin DESC, id")
+        df = self._cache["events"].copy()
         df["origin"] = df["origin"].astype(bool)
         df["amax"] = df["amax"].astype(float)
+        # SQLite keeps NaN as NULL: fp32_nan tells a NaN recompute from "not recomputed" (None).
+        nan = df.pop("fp32_nan").fillna(0).astype(int).to_numpy() == 1
+        df["fp32_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
+                                     for n, v in zip(nan, df["fp32_amax"].astype(object))],
+                                    index=df.index, dtype=object)
+        df["flows_into"] = df["flows_into"].astype(object).where(df["flows_into"].notna(), None)
         others = self.aliases()
         df["aliases"] = [", ".join(others.get(m, ())) for m in df["module"]]
         return df

@@ -109,6 +109,9 @@ class Watch:
         if self.options["localize"]:
             self.localizer = Localizer(self.model, self._device, lambda: self.model.training)
             module_names = self.localizer.names
+            if self.options["fp32_check"]:
+                from .counterfactual import InputKeeper
+                self.localizer.keeper = InputKeeper(self.localizer)
         shared = module_aliases(self.model) if module_names else {}
         tensors = list(names) + [
             {"id": len(names) + i, "kind": "module", "name": n, "type": t,
@@ -337,11 +340,19 @@ class Watch:
         if skipped:  # known without a sync: GradScaler did not call optimizer.step()
             self._measure_grads()
             self._measure_detail(None)
+        self._fp32_check(bool(skipped))
+
+    def _fp32_check(self, skipped: bool) -> None:
+        """The fp32 recompute of a forward origin (counterfactual.py), before weights change."""
+        if self.localizer is not None and self.localizer.keeper is not None:
+            from .counterfactual import check_step
+            check_step(self.localizer, skipped)
 
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._stepped = True
         self._measure_grads()
+        self._fp32_check(False)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.scaler is None:
@@ -370,6 +381,8 @@ class Watch:
             else:
                 host_metrics[key] = float(value)
         loc = self.localizer.take() if self.localizer is not None else None
+        if self.localizer is not None and self.localizer.keeper is not None:
+            self.localizer.keeper.clear()  # the step's kept inputs are released here
         if loc is not None and loc.device_stats:
             segments.append(("loc", torch.cat(loc.device_stats)))
         layout, offset = {}, 0

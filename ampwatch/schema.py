@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-SCHEMA_VERSION = 3  # the number of migrations below; readers accept any version up to it
+SCHEMA_VERSION = 4  # the number of migrations below; readers accept any version up to it
 
 # SQLite stores a float NaN as NULL. Columns that may legitimately hold NaN get a bit in the row's
 # ``nan_mask`` so readers can tell "NaN" from "not measured" (see docs/schema.md).
@@ -127,6 +127,19 @@ def m002_ranks(db: Database) -> None:
         ALTER TABLE run ADD COLUMN job_id TEXT;         -- same for every rank of one job; NULL single-process
         ALTER TABLE run ADD COLUMN grad_sharding TEXT;  -- sharded (FSDP) | replicated (DDP) | none
         ALTER TABLE events ADD COLUMN micro_batch INTEGER;  -- 0-based micro-batch of the step (forward)
+        """
+    )
+
+
+@migrations()
+def m003_fp32_counterfactual(db: Database) -> None:
+    """The fp32 recompute of a forward origin, and where a container's own non-finite value went."""
+    db.executescript(
+        """
+        ALTER TABLE events ADD COLUMN fp32_amax REAL;     -- forward origins: max |output| recomputed in fp32
+        ALTER TABLE events ADD COLUMN fp32_nan INTEGER;   -- 1: that recompute gave NaN (stored NULL above)
+        ALTER TABLE events ADD COLUMN flows_into TEXT;    -- origin in a container's own code: the child
+                                                          -- the non-finite value (or gradient) went into
         """
     )
 

@@ -11,20 +11,33 @@ def _finite(values: pd.Series) -> pd.Series:
     return values[np.isfinite(values.astype(float))]
 
 
+def warmup_end(steps: pd.DataFrame) -> int:
+    """The first step after the scaler's warm-up (the leading back-to-back skipped steps); the first
+    step when there is none, or when no step is ever clean (a warm-up that never ended is not one)."""
+    if not len(steps):
+        return 0
+    clean = steps.loc[~steps["skipped"].astype(bool), "step"]
+    return int(clean.iloc[0]) if len(clean) else int(steps["step"].iloc[0])
+
+
 def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame] = None) -> Optional[int]:
-    """First step whose loss or grad norm is NaN/inf, or that has a non-finite event.
+    """First step whose loss or grad norm is NaN/inf, or that has a non-finite event, not counting
+    gradient overflow during the scaler's warm-up (:func:`warmup_end`): that is normal.
 
     A column that is empty for the whole run (no loss logged) is not evidence of NaN.
     """
     candidates = []
+    warm = warmup_end(steps)
     for col in ("loss", "grad_norm"):
         values = steps[col].astype(float) if len(steps) else pd.Series(dtype=float)
         if values.notna().any():
-            bad = steps["step"][~np.isfinite(values)]
+            bad = steps["step"][~np.isfinite(values) & ((steps["step"] >= warm) | (col == "loss"))]
             if len(bad):
                 candidates.append(int(bad.min()))
     if events is not None and len(events):
-        candidates.append(int(events["step"].min()))
+        ev = events[(events["step"] >= warm) | events["phase"].isin(["forward", "loss"])]
+        if len(ev):
+            candidates.append(int(ev["step"].min()))
     return min(candidates) if candidates else None
 
 
@@ -63,4 +76,11 @@ def summarize(run: Any) -> dict[str, Any]:
         "grad_norm_p99": float(norms.quantile(0.99)) if len(norms) else None,
         "grad_norm_max": float(norms.max()) if len(norms) else None,
         "amp_dtype": info.get("amp_dtype"), "device": info.get("device"),
+        "error_tail": error_tail(info) if info.get("status") == "crashed" else [],
     }
+
+
+def error_tail(info: dict, lines: int = 3) -> list[str]:
+    """The last lines of a crashed run's traceback (the exception's line last)."""
+    kept = [line.rstrip() for line in (info.get("error") or "").strip().splitlines() if line.strip()]
+    return kept[-lines:] or ["(no traceback stored)"]

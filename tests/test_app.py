@@ -130,13 +130,16 @@ def test_findings_lead_the_run_page_and_jump_to_their_steps():
     assert findings, "the doctor should have something to say about overflow_storm"
     at = _open(SAMPLES, "overview", run)
     text = " ".join(m.value for m in at.markdown)
-    for f in findings:
-        assert f.title in text
-    assert at.subheader[0].value == "Findings"  # before the charts
-    target = findings[-1]
+    folded = " ".join(e.label for e in at.expander)
+    for f in findings:  # root causes in the open, their consequences folded under them
+        assert f.title in (folded if f.cause else text)
+    assert any(f.cause for f in findings)  # overflow_storm: the collapse is the origin's consequence
+    assert at.subheader[0].value == "Root causes"  # before the charts
+    index = max(i for i, f in enumerate(findings) if f.cause is None)
+    target = findings[index]
     last = int(_sql(SAMPLES / run, "SELECT MAX(step) s FROM steps")["s"].iloc[0])
     want = (max(0, target.jump[0]), min(last, target.jump[1]))  # the slider keeps it inside the run
-    at.button(key=f"finding:{len(findings) - 1}").click().run()
+    at.button(key=f"finding:{index}").click().run()
     _no_failure(at)
     assert at.sidebar.slider(key=f"range:{run}").value == want
     loss = _values(_trace(_figure(at), "loss").x)
@@ -296,3 +299,22 @@ def test_names_from_the_url_cannot_escape_the_folder(tmp_path):
     assert shared.safe_run_path(folder, "diverged.sqlite") == (folder / "diverged.sqlite").resolve()
     for name in ("../secret.sqlite", str(outside), "link.sqlite", "", None, "diverged.txt", ".", "sub/x.sqlite"):
         assert shared.safe_run_path(folder, name) is None, name
+
+
+def test_events_page_first_is_the_first_event_warmup_included():
+    run = "overflow_storm.sqlite"  # init_scale 2**24: gradient overflow events from step 0
+    truth = _sql(SAMPLES / run, "SELECT step, module FROM events ORDER BY step, origin DESC, id")
+    at = _open(SAMPLES, "events", run)
+    first = truth.iloc[0]
+    assert at.warning[0].value.startswith(f"First event: **{first['module']}**")
+    assert f"at step {first['step']};" in at.warning[0].value or at.warning[0].value.endswith(f"at step {first['step']}")
+
+
+def test_runs_page_has_a_health_column():
+    at = _open(SAMPLES)
+    shown = at.dataframe(key="runs_table").value.set_index("name")
+    for path in sorted(SAMPLES.glob("*.sqlite")):
+        findings = ampwatch.diagnose(str(path))
+        serious = [f for f in findings if f.severity != "info"]
+        want = "ok" if not serious else f"{serious[0].severity}: {serious[0].title}"
+        assert shown.loc[path.stem, "health"] == want

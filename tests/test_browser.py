@@ -119,7 +119,7 @@ def test_dashboard_in_chromium(server, browser):
     _wait(browser, ".js-plotly-plot .main-svg")
     assert option is not None and "run=overflow_storm.sqlite" in browser.current_url
     text = browser.find_element(By.TAG_NAME, "body").text
-    assert "Findings" in text and "skipped" in text
+    assert "Root causes" in text and "skipped" in text
     _no_errors(browser)
     ARTIFACTS.mkdir(exist_ok=True)
     browser.save_screenshot(str(ARTIFACTS / "dashboard_overview.png"))

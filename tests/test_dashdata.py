@@ -160,8 +160,13 @@ def test_run_row_matches_sqlite(path):
     last = t.iloc[-1]
     assert row["final_scale"] == (None if pd.isna(last["loss_scale"]) else last["loss_scale"])
     assert (math.isnan(row["last_loss"]) and math.isnan(last["loss"])) or row["last_loss"] == last["loss"]
-    ev = _sql(path, "SELECT MIN(step) s FROM events")["s"].iloc[0]
-    firsts = [int(x) for x in [t["step"][t["nonfinite"]].min(), ev] if pd.notna(x)]
+    # warm-up (the leading skipped steps) gradient overflow does not count; a NaN loss does
+    clean = t["step"][~t["skipped"].astype(bool)]
+    warm = int(clean.min()) if len(clean) else int(t["step"].min())
+    ev = _sql(path, "SELECT MIN(step) s FROM events WHERE step >= ? OR phase IN ('forward', 'loss')",
+              (warm,))["s"].iloc[0]
+    nf = t["step"][t["nonfinite"] & ((t["step"] >= warm) | ~np.isfinite(t["loss"].astype(float)))].min()
+    firsts = [int(x) for x in [nf, ev] if pd.notna(x)]
     assert row["first_nonfinite_step"] == (min(firsts) if firsts else None)
 
 

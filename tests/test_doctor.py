@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampwatch
-from ampwatch import rules
+from ampwatch.doctor import rules
 from ampwatch.cli import cli
 from ampwatch.demo import TinyGPT, batches
 from ampwatch.doctor import Finding, diagnose, format_report
@@ -260,15 +260,18 @@ def test_warmup_skips_are_info_and_their_events_are_not_errors(runs):
 
 # -- one faulty run per rule ---------------------------------------------------------------------------
 
-def test_recurring_overflow_names_the_origin_module(runs):
+def test_recurring_forward_overflow_is_one_root_naming_the_module(runs):
     run, findings = runs("recurring")
-    f = the(findings, "recurring-overflow")
     s = run.steps
-    n_skipped = int(s["skipped"].sum())
-    assert f.severity == "warning"
-    assert f"{n_skipped} of {len(s)} steps skipped" in f.evidence  # no warm-up here: every skip counts
-    assert "born in 1 (forward)" in f.evidence
-    assert "Keep 1 in fp32" in f.advice
+    ev = run.events
+    fwd_steps = sorted(set(ev.loc[ev["origin"] & (ev["phase"] == "forward"), "step"]))
+    root = findings[0]
+    assert root.id == "nonfinite-origin" and root.cause is None and root.steps[0] == fwd_steps[0] == 30
+    assert "born in 1 (Outlier, forward)" in root.title and "Keep 1 in fp32" in root.advice
+    assert f"non-finite values at {len(fwd_steps)} step(s)" in root.evidence
+    # every skip is explained: forward overflows by the root, the rest by probing/lone-skip findings
+    skipped = [int(x) for x in s.loc[s["skipped"], "step"]]
+    assert all(any(f.steps[0] <= x <= f.steps[1] for f in findings) for x in skipped)
 
 
 def test_scale_collapse_points_at_the_forward_origin(runs):
@@ -414,10 +417,14 @@ def test_sample_diverged_names_the_origin_and_the_divergence():
 
 def test_findings_are_sorted_and_serialisable(runs):
     _, findings = runs("collapse")
-    order = [("error", "warning", "info").index(f.severity) for f in findings]
-    assert order == sorted(order)
+    order = [("error", "warning", "info").index(f.severity) for f in findings if f.cause is None]
+    assert order == sorted(order)  # roots by severity, each followed by its consequences
+    ids_so_far = set()
+    for f in findings:
+        assert f.cause is None or f.cause in ids_so_far  # a consequence comes after its root
+        ids_so_far.add(f.id)
     d = findings[0].to_dict()
-    assert set(d) == {"id", "severity", "title", "steps", "evidence", "advice", "jump"}
+    assert set(d) == {"id", "severity", "title", "steps", "evidence", "advice", "jump", "cause"}
     assert json.loads(json.dumps(d)) == d
     for f in findings:
         assert f.jump[0] <= f.steps[0] and f.jump[0] <= f.jump[1]
@@ -452,7 +459,12 @@ def test_cli_json_single_run_matches_diagnose():
     result = CliRunner().invoke(cli, ["doctor", str(path), "--json"])
     payload = json.loads(result.output)
     assert payload["run"] == "diverged"
-    assert payload["findings"] == [f.to_dict() for f in ampwatch.diagnose(str(path))]
+    findings = ampwatch.diagnose(str(path))
+    assert payload["findings"] == [f.to_dict() for f in findings]
+    roots = [f for f in findings if f.cause is None]
+    assert [c["id"] for c in payload["causes"]] == [f.id for f in roots]
+    assert [c["id"] for c in payload["causes"][0]["consequences"]] == [f.id for f in findings if f.cause == roots[0].id]
+    assert payload["health"] == f"error: {roots[0].title}"
 
 
 def test_cli_folder_gives_one_report_per_run_and_flags_unreadable(tmp_path):
@@ -464,6 +476,12 @@ def test_cli_folder_gives_one_report_per_run_and_flags_unreadable(tmp_path):
     assert [r["run"] for r in json.loads(result.output)] == names
     text = CliRunner().invoke(cli, ["doctor", str(tmp_path)])
     assert sum(line.startswith(tuple(f"{n}  (" for n in names)) for line in text.output.splitlines()) == len(names)
+    head = text.output.splitlines()[:len(names)]  # one health line per run first
+    assert [line.split()[0] for line in head] == names
+    for line, name in zip(head, names):
+        findings = ampwatch.diagnose(str(tmp_path / f"{name}.sqlite"))
+        assert line.split(None, 1)[1] == ("ok" if all(f.severity == "info" for f in findings)
+                                          else f"{findings[0].severity}: {findings[0].title}")
     (tmp_path / "broken.sqlite").write_text("not a run")
     result = CliRunner().invoke(cli, ["doctor", str(tmp_path), "--json"])
     assert result.exit_code == 2 and len(json.loads(result.stdout)) == len(names)
@@ -500,7 +518,7 @@ def test_facts_queries_agree_with_the_whole_tables(runs, name):
     tables, filtered in pandas the way the rules used to, are the ground truth."""
     import numpy as np
     import pandas as pd
-    from ampwatch.rules.facts import Facts
+    from ampwatch.doctor.facts import Facts
     run, _ = runs(name)
     layers, mods = run.layers, run.modules
     scale = run.steps.set_index("step")["loss_scale"]

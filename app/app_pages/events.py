@@ -15,9 +15,12 @@ if ev.empty:
     st.success("No NaN/Inf events in this run: no module produced a non-finite value.")
     st.stop()
 origins = ev[ev["origin"]]
-if len(origins):
-    first = origins.iloc[0]
-    st.warning(f"First origin: **{first['module']}** ({first['phase']}, {first['kind']}) at step {first['step']}")
+first = ev.iloc[0]  # the first event, warm-up included (events are in step order, origins first)
+text = f"First event: **{first['module']}** ({first['phase']}, {first['kind']}) at step {first['step']}"
+if len(origins) and origins.index[0] != ev.index[0]:
+    o = origins.iloc[0]
+    text += f"; first origin: **{o['module']}** ({o['phase']}, {o['kind']}) at step {o['step']}"
+st.warning(text)
 only_origin = st.toggle("origins only", value=False, key="events_origin_only")
 shown = (origins if only_origin else ev).reset_index(drop=True)
 

@@ -21,14 +21,23 @@ else:
     st.button(f"Run the doctor on all {row['steps']:,} steps (may take a minute)", key="run_doctor",
               on_click=lambda: st.session_state.update({doctor_key: True}))
 if found:
-    st.subheader("Findings")
+    st.subheader("Root causes")
 for i, f in enumerate(found):
+    if f.get("cause"):
+        continue  # shown folded under its cause
     box = st.container(border=True)
     box.markdown(f"{shared.SEVERITY_ICON.get(f['severity'], '')} **{f['title']}** "
                  f"· steps {f['steps'][0]}–{f['steps'][1]}")
     box.markdown(f"{f['evidence']}  \n**Fix:** {f['advice']}")
     box.button(f"Show steps {f['jump'][0]}–{f['jump'][1]}", key=f"finding:{i}", on_click=shared.jump_to,
                args=(path, f["jump"][0], f["jump"][1], f["steps"][0]))
+    for j, c in enumerate(x for x in found if x.get("cause") == f["id"]):
+        with box.expander(f"{shared.SEVERITY_ICON.get(c['severity'], '')} consequence: {c['title']}"):
+            st.markdown(f"{c['evidence']}  \n**Fix:** {c['advice']}")
+            st.button(f"Show steps {c['jump'][0]}–{c['jump'][1]}", key=f"finding:{i}:{j}", on_click=shared.jump_to,
+                      args=(path, c["jump"][0], c["jump"][1], c["steps"][0]))
+if row["status"] == "crashed" and row.get("error_tail"):
+    st.error("The run crashed. The traceback ends:\n\n```\n" + "\n".join(row["error_tail"]) + "\n```")
 
 start, end = shared.step_range(path, row["first_step"], row["last_step"])
 ov = shared.guarded(shared.overview, str(path), key, start, end, path=path)

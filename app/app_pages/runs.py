@@ -14,7 +14,7 @@ if runs.empty:
 
 query = st.text_input("Filter by name", key="runs_filter", placeholder="e.g. fp16")
 shown = runs[runs["name"].str.contains(query, case=False, regex=False)] if query else runs
-columns = ["name", "status", "steps", "skipped_pct", "final_scale", "first_nonfinite_step", "last_loss",
+columns = ["name", "health", "status", "steps", "skipped_pct", "final_scale", "first_nonfinite_step", "last_loss",
            "started", "amp_dtype", "file"]
 
 
@@ -31,7 +31,8 @@ st.dataframe(shared.readable(shown[columns], {"final_scale": "–", "last_loss":
              selection_mode="multi-row", hide_index=True,
              column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
                             "final_scale": "final loss scale", "last_loss": "last loss",
-                            "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step"),
+                            "health": st.column_config.TextColumn("health", help="the doctor's worst severity and first root cause; ok: nothing above info"),
+                            "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step", help="after the scaler's warm-up"),
                             "started": st.column_config.DatetimeColumn("started (UTC)")})
 st.caption("Select rows to open a run (the first) or compare several; the sidebar shows the open run.")
 picked = st.session_state.get("compare") or []

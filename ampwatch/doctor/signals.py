@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from ..doctor import Finding, num
+from .finding import Finding, num
 from ..reader import clip_threshold
 from .facts import Facts
 from .origins import describe_origins, origin_advice

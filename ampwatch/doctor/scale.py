@@ -1,4 +1,4 @@
-"""Rules about the loss scale: warm-up, recurring overflow, collapse, a scale stuck too low."""
+"""Rules about the loss scale: collapse, a scale stuck too low (skips: :mod:`.skips`)."""
 from __future__ import annotations
 
 import math
@@ -6,18 +6,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..doctor import FP16_MAX, Finding, num, pct, span
+from .finding import FP16_MAX, Finding, num, pct, span
 from .facts import Facts
 from .origins import describe_origins, origin_advice, place
-
-# Recurring overflow: GradScaler's defaults (growth_interval=2000) allow one probing skip per ~2000
-# steps (0.05%). 2% is 40x that, and means 2% of the batches are thrown away; below 3 skips there is
-# no pattern to speak of, below 50 steps no rate. A quarter of all steps skipped is an error:
-# training is visibly slower and something is wrong every few steps.
-SKIP_RATE_WARN = 0.02
-SKIP_RATE_ERROR = 0.25
-SKIP_MIN_COUNT = 3
-SKIP_MIN_STEPS = 50
 
 # Scale collapse: a scale below 1 means the gradients overflow even unscaled. A gradient that
 # overflowed only because the scale grew is fixed by one or two halvings (the weights do not change
@@ -35,72 +26,6 @@ STUCK_MIN_STEPS = 200
 def pow2(x: float) -> str:
     """The largest power of two <= x, as Python: ``2**16``."""
     return f"2**{math.floor(math.log2(x))}" if x > 0 else "1"
-
-
-def warmup_skips(facts: Facts) -> list[Finding]:
-    """Info: the usual skipped steps at the start while the scale backs off from init_scale."""
-    w = facts.warmup
-    if w is None:
-        return []
-    ev = facts.events
-    n_events = int(ev["step"].isin(w.skips).sum()) if len(ev) else 0
-    return [facts.finding(
-        "warmup-skips", "info",
-        f"Normal warm-up: {len(w.skips)} skipped step(s) while the loss scale backed off, ended at step {w.last:,}",
-        w.first, w.last,
-        f"{len(w.skips)} skipped of the first {w.last - w.first + 1:,} steps ({', '.join(map(str, w.skips[:12]))}"
-        f"{', ...' if len(w.skips) > 12 else ''}); scale {num(w.scale_from)} -> {num(w.scale_to)}; "
-        f"{n_events:,} gradient-overflow event(s) in them are expected",
-        f"Nothing to fix: GradScaler starts high and halves until the gradients fit. To skip the warm-up, "
-        f"start at init_scale={pow2(w.scale_to)}.",
-        jump=(w.first, min(facts.last_step, w.last + 5)))]
-
-
-def _probe_skips(facts: Facts, skips: list[int]) -> int:
-    """Gradient-only skips after the scale had grown since the previous backoff: the scaler probing
-    upward and finding the ceiling (a forward overflow is never a probe: the scale plays no part)."""
-    if not skips:
-        return 0
-    ev = facts.events
-    forward = list(set(ev.loc[ev["phase"].isin(["forward", "loss"]), "step"])) if len(ev) else []
-    # Each skip is compared with the step right after the previous backoff (the warm-up's last skip
-    # for the first one), or with the run's first step.
-    before = [facts.warmup.last + 1 if facts.warmup else facts.first_step] + [s + 1 for s in skips[:-1]]
-    grew = facts.scales(np.array(skips)) > facts.scales(np.array(before))
-    return int(np.count_nonzero(grew & ~np.isin(skips, forward)))
-
-
-def recurring_overflow(facts: Facts) -> list[Finding]:
-    """Warning/error: skip rate after warm-up above SKIP_RATE_WARN; names the origin modules."""
-    if not facts.scaling:
-        return []
-    steps = facts.after_warmup()
-    skips = [int(s) for s in steps.loc[steps["skipped"], "step"]]
-    n = len(steps)
-    if n < SKIP_MIN_STEPS or len(skips) < SKIP_MIN_COUNT or len(skips) / n < SKIP_RATE_WARN:
-        return []
-    rate = len(skips) / n
-    origins = facts.origins(skips)
-    probes = _probe_skips(facts, skips)
-    gi = facts.info.get("growth_interval")
-    evidence = f"{len(skips):,} of {n:,} steps skipped after warm-up ({pct(len(skips), n)})"
-    if len(origins):
-        evidence += f"; overflow born in {describe_origins(origins)}"
-    if probes:
-        evidence += f"; {probes:,} skip(s) right after the scale grew (growth_interval={gi})"
-    if len(origins) and origins["phase"].iloc[0] in ("forward", "loss"):
-        advice = origin_advice(facts, origins["module"].iloc[0], origins["phase"].iloc[0], skips[0])[1] + \
-            " (a forward overflow does not depend on the loss scale, so the scaler cannot help)."
-    elif gi is not None and probes >= len(skips) / 2 and gi < 2000:
-        advice = (f"Most skips are the scaler probing upward every {gi} clean steps and hitting the "
-                  f"ceiling: raise growth_interval to 2000 (the default).")
-    elif len(origins):
-        advice = origin_advice(facts, origins["module"].iloc[0], origins["phase"].iloc[0], skips[0])[1] + "."
-    else:
-        advice = "Turn localization on (ampwatch.attach(..., localize=True)) to see which module overflows."
-    return [facts.finding("recurring-overflow", "error" if rate >= SKIP_RATE_ERROR else "warning",
-                          f"{pct(len(skips), n)} of steps skipped after warm-up: the overflow keeps coming back",
-                          skips[0], skips[-1], evidence, advice)]
 
 
 def _runs(starts: np.ndarray, member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +80,8 @@ def scale_collapse(facts: Facts) -> list[Finding]:
         advice = ("The gradients overflow at any scale: find the layer (localize=True records it) "
                   "and keep it in fp32, or use bf16 autocast.")
     where = f" at {place(origins['module'].iloc[0], origins['phase'].iloc[0])}" if len(origins) else ""
+    if len(origins):
+        facts.claims["scale-collapse"] = (origins["module"].iloc[0], origins["phase"].iloc[0])
     return [facts.finding("scale-collapse", "error", f"Loss scale collapsed{where}: it keeps halving",
                           first, last, evidence, advice)]
 

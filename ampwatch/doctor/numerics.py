@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..doctor import FP16_MAX, Finding, num, span
+from .finding import FP16_MAX, Finding, num, span
 from .facts import Facts
 from .origins import origin_advice
 
@@ -151,6 +151,22 @@ def _serious_events(facts: Facts) -> pd.DataFrame:
 _PHASE_RANK = {"forward": 0, "backward": 1, "loss": 2, "param_grad": 3}
 
 
+def fp32_verdict(e: pd.Series, dtype: str) -> tuple[str, str]:
+    """(evidence, advice) from the fp32 recompute of a forward origin; ("", "") when none was done."""
+    amax = e.get("fp32_amax")
+    if e["phase"] != "forward" or amax is None:
+        return "", ""
+    module = e["module"]
+    if amax == amax and amax != float("inf"):
+        return (f"; recomputed in fp32 on the same inputs it is finite (max {num(amax)}): {dtype}'s range is the "
+                f"problem", f"Keep {module} in fp32 (torch.autocast(device_type, enabled=False) around it, input "
+                            f"cast by .float()) or use bf16 autocast: the values are real, only {dtype} cannot hold them")
+    what = "NaN" if amax != amax else "inf"
+    return (f"; recomputed in fp32 on the same inputs it is {what} too: not a precision problem",
+            f"Not a precision problem: {module}'s weights or inputs are broken, or the operation itself makes "
+            f"{what} (0/0, log or sqrt of a negative, inf-inf); more precision will not help, find what broke them")
+
+
 def nonfinite_origin(facts: Facts) -> list[Finding]:
     """Error: the first step where NaN/Inf was born (outside warm-up): module, phase, kind."""
     ev = _serious_events(facts)
@@ -169,10 +185,17 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     count = f"{int(e['count']):,} " if pd.notna(e["count"]) else ""
     dtype = f", {e['dtype']}" if isinstance(e["dtype"], str) else ""
     extra, advice = origin_advice(facts, module, phase, first, e["kind"])
+    verdict, fp32_advice = fp32_verdict(e, dtype=e["dtype"] if isinstance(e["dtype"], str) else "fp16")
+    if fp32_advice and not extra:  # an overwritten weight is the more specific cause: its advice stays
+        advice = fp32_advice
+    into = e.get("flows_into")
+    where = (f"; made in {module}'s own code (between its children), flowing into {into}"
+             if isinstance(into, str) else "")
+    facts.claims["nonfinite-origin"] = (module, phase)
     evidence = (f"step {first:,}: {what} holds {count}{e['kind']} value(s){dtype}"
                 + (" while its inputs were finite" if e["origin"] else "")
                 + f"; non-finite values at {len(bad_steps):,} step(s) ({span(bad_steps[0], bad_steps[-1])}),"
-                  f" {same:,} of them born in the same place" + extra)
+                  f" {same:,} of them born in the same place" + where + verdict + extra)
     kind = {"nan": "NaN", "inf": "Inf"}.get(e["kind"], "NaN/Inf")
     cls = facts.module_type(module)
     title = (f"Loss became {kind} at step {first:,}" if phase == "loss" else

@@ -6,7 +6,7 @@ from typing import Optional
 
 import pandas as pd
 
-from ..doctor import num
+from .finding import num
 from .facts import Facts
 
 # A parameter whose norm grew 10x between two recorded steps did not get there by training (Adam

@@ -17,18 +17,15 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 import pandas as pd
 
-from ..doctor import Finding
+from .finding import Finding
 from ..reader import connect
 from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Warm-up: GradScaler starts at init_scale (2**16 by default; people pass 2**24) and halves on each
-# overflow until it fits, so a healthy run skips a handful of steps at the start, close together,
-# before the scale has ever grown. The first must come early and the gaps stay short: the gradients
-# have barely changed yet. 50/25 steps covers every warm-up in our runs (gaps of 1-5 steps) with
-# room for models whose gradients grow over the first steps.
-WARMUP_FIRST_STEP = 50
-WARMUP_MAX_GAP = 25
-
+# overflow until the gradients fit. So warm-up is exactly the leading run of skips, back to back from
+# the first step, while the scale falls from its initial value (docs/doctor.md). A skip after a clean
+# step is never warm-up: the gradients fitted at that scale once, so something changed (the scaler
+# grew it, the gradients grew, or a fault).
 # A diverged tail: NaN/inf loss on the last 3+ steps (one or two are an overflow the scaler may
 # still fix). Health rules judge only the steps before it; the divergence finding covers the rest.
 NAN_TAIL_MIN = 3
@@ -65,6 +62,8 @@ class Facts:
         self.nan_tail_start = self._nan_tail_start()
         self.healthy_end = self.last_step if self.nan_tail_start is None else self.nan_tail_start - 1
         self.warmup = self._warmup()
+        # (module, phase) a finding is about, set by the rules: how consequences find their cause
+        self.claims: dict[str, tuple[str, str]] = {}
 
     @classmethod
     @contextmanager
@@ -184,28 +183,23 @@ class Facts:
         return int(self.steps["step"].iloc[len(finite) - n_bad])
 
     def _warmup(self) -> Optional[Warmup]:
-        if not self.scaling:
+        if not self.scaling or not len(self.steps) or not bool(self.steps["skipped"].iloc[0]):
             return None
         s = self.steps
-        step = s["step"].to_numpy()
-        scale = s["loss_scale"].to_numpy(dtype=float)
-        grows = np.flatnonzero(np.diff(scale) > 0)
-        first_growth = int(grows[0]) + 1 if len(grows) else len(scale)  # the first row whose scale grew
+        step, scale = s["step"].to_numpy(), s["loss_scale"].to_numpy(dtype=float)
+        skipped = s["skipped"].to_numpy(dtype=bool)
         ev = self.events
         bad_fwd = set(ev.loc[ev["phase"].isin(["forward", "loss"]), "step"]) if len(ev) else set()
-        taken: list[int] = []
-        for i in np.flatnonzero(s["skipped"].to_numpy()):
-            prev = int(step[taken[-1]]) if taken else self.first_step
-            if (int(step[i]) - prev > (WARMUP_FIRST_STEP if not taken else WARMUP_MAX_GAP) or i >= first_growth
-                    or int(step[i]) in bad_fwd or not scale[i] >= 1.0 or step[i] > self.healthy_end):
-                break
-            taken.append(int(i))
-        if not taken:
+        n = 0  # rows in the warm-up: contiguous skips, the scale never rising, no forward overflow
+        while (n < len(step) and skipped[n] and step[n] == step[0] + n and step[n] <= self.healthy_end
+               and int(step[n]) not in bad_fwd and scale[n] >= 1.0 and (n == 0 or scale[n] < scale[n - 1])):
+            n += 1
+        if not n:
             return None
-        skips = [int(step[i]) for i in taken]
-        after = scale[taken[-1] + 1] if taken[-1] + 1 < len(scale) else scale[taken[-1]] / 2
+        after = scale[n] if n < len(scale) else scale[n - 1] / 2
         if not after < scale[0]:  # a warm-up is the scale backing off; without a drop it is something else
             return None
+        skips = [int(x) for x in step[:n]]
         return Warmup(self.first_step, skips[-1], skips, float(scale[0]), float(after))
 
     def origins(self, steps: Any) -> pd.DataFrame:

@@ -1,6 +1,7 @@
-"""The doctor's rules: each is a pure function ``Facts -> list[Finding]`` (issue 5).
+"""The doctor's rules: each is a pure function ``Facts -> list[Finding]`` (issues 5, 10).
 
-Grouped by theme: :mod:`.scale` (warm-up, recurring overflow, collapse, stuck scale),
+Grouped by theme: :mod:`.skips` (warm-up, probing, recurring overflow, lone skips: every skipped
+step explained), :mod:`.scale` (collapse, stuck scale),
 :mod:`.numerics` (underflow, activation headroom, where NaN/Inf was born), :mod:`.signals` (loss
 spikes, gradient-norm explosions, divergence) and :mod:`.misuse`. Every threshold is a named
 constant next to its rule with the reason it has that value. False alarms are as bad as misses:
@@ -11,28 +12,29 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..doctor import Finding, num
+from .finding import Finding, num
 from .facts import Facts
-from .misuse import misuse_clip_scaled, misuse_config, misuse_notices
+from .misuse import misuse_clip_scaled, misuse_config, misuse_notices, run_crashed
 from .numerics import (FP32_MODULE_TYPES, HEADROOM_FACTOR, HEADROOM_MIN_ROWS, UNDERFLOW_EXCESS,
                        UNDERFLOW_MIN_FRAC, UNDERFLOW_SCALED_AMAX, activation_headroom, grad_underflow,
                        nonfinite_origin)
 from .origins import WEIGHT_JUMP, origin_advice, weight_jump
-from .scale import (COLLAPSE_STREAK, SKIP_MIN_COUNT, SKIP_MIN_STEPS, SKIP_RATE_ERROR, SKIP_RATE_WARN,
-                    STUCK_HEADROOM, STUCK_MIN_STEPS, recurring_overflow, scale_collapse, scale_stuck_low,
-                    warmup_skips)
+from .scale import COLLAPSE_STREAK, STUCK_HEADROOM, STUCK_MIN_STEPS, scale_collapse, scale_stuck_low
+from .skips import (PROBE_RATE_WARN, SAME_ORIGIN_MIN, SKIP_MIN_COUNT, SKIP_MIN_STEPS, SKIP_RATE_ERROR,
+                    SKIP_RATE_WARN, lone_skips, recurring_overflow, scale_probing, warmup_skips)
 from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDOW, _outliers, divergence,
                       grad_norm_explosion, loss_spike)
 
-# Report order within one severity and step (the sort is stable): root causes before consequences.
+# The order rules run in; causes.group() decides the report order.
 RULES: list[Callable[[Facts], list[Finding]]] = [
-    warmup_skips, nonfinite_origin, divergence, scale_collapse, recurring_overflow, scale_stuck_low,
+    run_crashed, warmup_skips, nonfinite_origin, divergence, scale_collapse, recurring_overflow, scale_probing,
+    lone_skips, scale_stuck_low,
     grad_underflow, activation_headroom, loss_spike, grad_norm_explosion, misuse_config, misuse_clip_scaled,
     misuse_notices,
 ]
 
 __all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "_outliers",
-           "SKIP_RATE_WARN", "SKIP_RATE_ERROR", "SKIP_MIN_COUNT", "SKIP_MIN_STEPS", "COLLAPSE_STREAK",
+           "SKIP_RATE_WARN", "SKIP_RATE_ERROR", "PROBE_RATE_WARN", "SAME_ORIGIN_MIN", "SKIP_MIN_COUNT", "SKIP_MIN_STEPS", "COLLAPSE_STREAK",
            "STUCK_HEADROOM", "STUCK_MIN_STEPS", "UNDERFLOW_SCALED_AMAX", "UNDERFLOW_EXCESS",
            "UNDERFLOW_MIN_FRAC", "HEADROOM_FACTOR", "HEADROOM_MIN_ROWS", "FP32_MODULE_TYPES",
            "OUTLIER_WINDOW", "OUTLIER_MIN_HISTORY", "LOSS_SPIKE", "GRAD_SPIKE", "WEIGHT_JUMP"]

@@ -1,0 +1,152 @@
+"""The fp32 counterfactual: is a forward overflow fp16's range, or is the computation broken?
+
+When a step's forward origin is known (the first module whose fp16/bf16 output is non-finite while
+its inputs were finite), that one module is run again on the same inputs in fp32 (autocast off,
+floating inputs and its parameters and buffers upcast) and the max |output| is stored with the
+origin's event (``events.fp32_amax``). Finite there: fp16's range is the problem. NaN/inf there too:
+the weights or inputs are broken, or the op itself makes NaN.
+
+How it stays out of training's way:
+
+* During the step, :class:`InputKeeper` holds a reference to each hooked module's latest forward
+  inputs (one dict slot per module, replaced on the next call, cleared at the step's end: no list
+  grows). No copy is made and nothing is read: on clean steps it costs a dict store per module call.
+  Memory: inputs that autograd would have freed during backward stay alive until the step ends. Most
+  are saved for backward anyway (a Linear keeps its input); the extra is the inputs of modules whose
+  backward does not need them (elementwise, residual containers): at most one forward's activations.
+* The recompute runs only on a step already known to be bad without a sync: where reads are free
+  (CPU) the hooks saw the non-finite value; on an accelerator, only a step the GradScaler skipped
+  (it did not call ``optimizer.step()``: the host knows that for free). An accelerator run without a
+  scaler gets no recompute (``fp32_amax`` stays None). On a bad step it costs one sync and one
+  forward of one module.
+* It changes nothing training sees: ``torch.no_grad`` (no graph), the RNG state forked and restored
+  (dropout draws no numbers from the training stream; its mask differs from the original call's),
+  parameters and buffers replaced by fp32 copies (torch.func.functional_call's mechanism; BatchNorm
+  updates running stats on the copies), the recorder's own hooks paused. The module's ``forward`` is
+  called, not the module: its own hooks already ran on the kept inputs (its children's hooks, other
+  code's included, do run).
+* An input modified in place after the call (its version counter moved) makes the recompute
+  meaningless: then none is done (None). Under ``torch.compile`` module hooks do not run inside the
+  compiled graph, so there are no kept inputs and no origin: None.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .localize import Localizer, _tensor_list, _tensors
+
+
+def _upcast(obj: Any, depth: int = 0) -> Any:
+    """Floating tensors (in tuples, lists, dicts) as fp32 copies; everything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().float() if obj.is_floating_point() else obj
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        return type(obj)(_upcast(x, depth + 1) for x in obj)
+    if depth < 3 and isinstance(obj, dict):
+        return {k: _upcast(v, depth + 1) for k, v in obj.items()}
+    return obj
+
+
+def _versions(args: Any, kwargs: Any) -> tuple[int, ...]:
+    """Version counters of a call's floating tensors, listed as the localizer's pre-hook lists them."""
+    tensors = _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
+    return tuple(t._version for t in tensors)
+
+
+def output_amax(output: Any) -> Optional[float]:
+    """Max |value| over the floating tensors of ``output``: NaN if any is NaN; None if none."""
+    tensors = list(_tensors(output))
+    if not tensors:
+        return None
+    worst = -math.inf
+    for t in tensors:
+        t = t.detach().float()
+        if torch.isnan(t).any():
+            return math.nan
+        worst = max(worst, float(t.abs().max()))
+    return worst
+
+
+class InputKeeper:
+    """One slot per hooked module: the latest forward inputs of the step (references, no copies).
+
+    Where reads are free the localizer tells it which call made the first non-finite output from
+    finite inputs, and that call's inputs are then kept (pinned) instead of the latest."""
+
+    def __init__(self, localizer: Localizer) -> None:
+        self._localizer = localizer
+        self._inputs: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
+        self._pinned: set[int] = set()
+
+    def keep(self, index: int, args: Any, kwargs: Any, tensors: list) -> None:
+        """Called by the localizer's pre-hook with the call's floating tensors (already listed)."""
+        if index not in self._pinned:
+            self._inputs[index] = (args, kwargs, tuple(t._version for t in tensors))
+
+    def settle(self, index: int, output_bad: bool, inputs_bad: bool) -> None:
+        if output_bad and not inputs_bad and index in self._inputs:
+            self._pinned.add(index)
+
+    def clear(self) -> None:
+        self._inputs.clear()
+        self._pinned.clear()
+
+    def recompute(self, index: int) -> Optional[float]:
+        """Max |output| of module ``index`` run again in fp32 on its kept inputs, or None."""
+        kept = self._inputs.get(index)
+        if kept is None:
+            return None
+        args, kwargs, versions = kept
+        if _versions(args, kwargs) != versions:
+            return None  # modified in place since the call: not the inputs it saw
+        module = self._localizer.modules[index]
+        return recompute_fp32(module, args, kwargs, self._localizer)
+
+
+def _swapped(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """Parameters and buffers of ``module`` replaced by ``tensors`` for the ``with`` block, restored
+    after (torch.func.functional_call's mechanism; it would also re-run the module's own hooks)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: Optional[Localizer] = None
+                   ) -> Optional[float]:
+    """Run ``module`` on fp32 copies of ``args``/``kwargs``, its parameters and buffers, with autocast
+    off, no grad, the RNG forked and the localizer's hooks paused; return max |output|."""
+    params = {n: p.detach().float() if p.is_floating_point() else p for n, p in module.named_parameters()}
+    # Buffers are cloned even when already fp32: BatchNorm updates running stats in place.
+    # (.float() of an fp32 tensor is that same tensor: copy=True makes the copy.)
+    buffers = {n: b.detach().to(torch.float32, copy=True) if b.is_floating_point() else b.clone()
+               for n, b in module.named_buffers()}
+    device = next(iter(params.values()), next(iter(buffers.values()), None))
+    devices = [device.device] if device is not None and device.device.type == "cuda" else []
+    device_type = device.device.type if device is not None else "cpu"
+    was_active = localizer._active if localizer is not None else None
+    if localizer is not None:
+        localizer._active = False
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), \
+                torch.autocast(device_type, enabled=False), _swapped(module, {**params, **buffers}):
+            # forward, not __call__: the module's own hooks already ran on the kept inputs (children's run)
+            out = module.forward(*_upcast(args), **_upcast(kwargs))
+        return output_amax(out)
+    finally:
+        if localizer is not None:
+            localizer._active = was_active
+
+
+def check_step(localizer: Localizer, skipped: bool) -> None:
+    """On a step known to be bad (host path: a hook saw it; accelerator: the scaler skipped it),
+    recompute the forward origin in fp32 once and leave the result in the step's records."""
+    keeper = localizer.keeper
+    records = localizer._records
+    if keeper is None or records.fp32_checked or not (records.host_bad or (skipped and records.device_stats)):
+        return
+    records.fp32_checked = True
+    origin = localizer.forward_origin()
+    if origin is not None:
+        records.fp32_amax[origin] = keeper.recompute(origin)

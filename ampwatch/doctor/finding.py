@@ -1,0 +1,78 @@
+"""The doctor's vocabulary: :class:`Finding`, its severities, and how numbers are written in it.
+
+Every rule module imports from here (and nothing imports back), so the type has no circle.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+SEVERITIES = ("error", "warning", "info")
+
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the doctor noticed about a run.
+
+    :param id: stable identifier, e.g. ``scale-collapse`` (see docs/doctor.md for the list).
+    :param severity: ``'error'``, ``'warning'`` or ``'info'``.
+    :param title: one line.
+    :param steps: ``(first, last)`` step the finding concerns.
+    :param evidence: the numbers that triggered it.
+    :param advice: what to change, concretely.
+    :param jump: ``(start, end)`` step range for a UI to show.
+    :param cause: the ``id`` of the root finding this one is a consequence of (skips, a collapsed
+        scale, divergence explained by an origin), or None when it is a root itself.
+    """
+    id: str
+    severity: str
+    title: str
+    steps: tuple[int, int]
+    evidence: str
+    advice: str
+    jump: tuple[int, int]
+    cause: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["steps"], d["jump"] = list(self.steps), list(self.jump)
+        return d
+
+
+def severity_rank(severity: str) -> int:
+    return SEVERITIES.index(severity)
+
+
+def worst(findings: list[Finding]) -> Optional[str]:
+    """The most severe severity among ``findings`` (None for none)."""
+    return min((f.severity for f in findings), key=severity_rank, default=None)
+
+
+# -- formatting helpers -----------------------------------------------------------------------------
+
+def num(x: Any) -> str:
+    """1,234 for integers, 3 significant digits otherwise, 2^k for exact powers of two as a hint."""
+    if x is None:
+        return "n/a"
+    x = float(x)
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    text = f"{int(x):,}" if x.is_integer() and abs(x) < 1e15 else f"{x:.3g}"
+    if x > 0:
+        k = math.log2(x)
+        if k.is_integer() and abs(k) >= 4:
+            text += f" (2^{int(k)})"
+    return text
+
+
+def pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "n/a"
+
+
+def span(first: int, last: int) -> str:
+    return f"step {first:,}" if first == last else f"steps {first:,}-{last:,}"
