@@ -89,7 +89,9 @@ def test_headroom_marks_modules_near_the_limit_red():
 def test_zero_grad_and_compare_figures():
     zero = layerdata.zero_grad_fraction(SAMPLES / "healthy_fp16.sqlite")
     fig = figures.zero_grad_figure(zero)
-    assert list(fig.data[0].y) == list(zero["layer"])
+    # a tied weight is drawn under all its names (issue 13): TinyGPT ties lm_head to wte
+    assert list(fig.data[0].y) == [layerdata.alias_label(n, a) for n, a in zip(zero["layer"], zero["aliases"])]
+    assert "wte.weight = lm_head.weight" in list(fig.data[0].y)
     runs = {p.stem: dashdata.overview_data(p) for p in sorted(SAMPLES.glob("*.sqlite"))[:3]}
     rates = {name: dashdata.skip_rate(SAMPLES / f"{name}.sqlite") for name in runs}
     fig = figures.compare_figure(runs, rates)
