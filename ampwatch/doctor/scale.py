@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .finding import FP16_MAX, Finding, num, pct, span
+from .finding import FP16_MAX, Finding, num, span
 from .facts import Facts
 from .origins import describe_origins, origin_advice, place
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from .facts import Facts
-from .finding import Finding, num, pct, span
+from .finding import Finding, num, pct
 from .origins import origin_advice
 
 # Recurring overflow: GradScaler's defaults (growth_interval=2000) allow one probing skip per ~2000
@@ -201,11 +201,6 @@ def lone_skips(facts: Facts) -> list[Finding]:
         f"none right after a growth of the scale; the scaler halved the scale each time",
         "Nothing to fix while they stay rare: the gradients grew past what this scale leaves room for and "
         "GradScaler backed off. If they recur from the same place, that place is reported as a warning.")]
-
-
-def skip_steps_forward(facts: Facts) -> list[int]:
-    k = classify(facts)
-    return [int(s) for s in k.loc[k["phase"] == "forward", "step"]]
 
 
 __all__ = ["classify", "warmup_skips", "scale_probing", "recurring_overflow", "lone_skips", "origin_label",
