@@ -118,9 +118,9 @@ class PackReader:
             count = int(nan + inf) if nan is not None else None
             out.events.append((pack.step, "param_grad", self.param_names[pid],
                                _kind(nan or 0, inf or 0, n), count, _nullable(amax),
-                               self.param_dtypes[pid], 0))
+                               self.param_dtypes[pid], 0, None))
         if loss is not None and not math.isfinite(loss):
-            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0))
+            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0, None))
         if pack.loc is not None:
             self._localization_rows(pack, seg("loc"), out)
         return out
@@ -157,7 +157,7 @@ class PackReader:
             if s.nonfinite:
                 out.events.append((pack.step, phase, self.module_names[module], _kind(s.nan, s.inf),
                                    int(s.nan + s.inf), _nullable(s.amax), s.dtype,
-                                   int(origins[phase] == module)))
+                                   int(origins[phase] == module), s.micro_batch))
             if has_events or pack.step % self.layer_every == 0:
                 out.modules.append((self.module_ids[module], 0 if phase == localize.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))

@@ -33,8 +33,8 @@ _INSERTS = {
     "layers": "INSERT OR REPLACE INTO layers (param_id, step, grad_norm, grad_amax, param_norm,"
               " grad_nonfinite, grad_zero_frac, nan_mask) VALUES (?,?,?,?,?,?,?,?)",
     "modules": "INSERT OR REPLACE INTO modules (module_id, phase, step, amax, nonfinite) VALUES (?,?,?,?,?)",
-    "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin)"
-              " VALUES (?,?,?,?,?,?,?,?)",
+    "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch)"
+              " VALUES (?,?,?,?,?,?,?,?,?)",
     "metrics": "INSERT OR REPLACE INTO metrics (key, step, value) VALUES (?,?,?)",
 }
 
