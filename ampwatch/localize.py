@@ -36,10 +36,11 @@ class StepRecords:
     """What the hooks saw during one optimizer step, in execution order."""
     slots: list[Slot] = field(default_factory=list)
     device_stats: list[torch.Tensor] = field(default_factory=list)  # each (4,) in pack dtype
-    # forward calls in finish order: (module index, input slot ids, output slot ids)
-    calls: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
-    # backward hook firings in order: (slot id of the gradient, [(module index, "in"|"out"), ...])
-    grads: list[tuple[int, list[tuple[int, str]]]] = field(default_factory=list)
+    # forward calls in finish order: (module index, input slot ids, output slot ids, micro-batch)
+    calls: list[tuple[int, list[int], list[int], int]] = field(default_factory=list)
+    # backward hook firings in order: (slot id of the gradient, [(module index, "in"|"out"), ...],
+    # micro-batch of the forward pass being differentiated)
+    grads: list[tuple[int, list[tuple[int, str]], int]] = field(default_factory=list)
     host_bad: bool = False  # a host-read slot was non-finite (known for free where reads are free)
     # fp32 recompute of the forward origin (module index -> max |output|), see counterfactual.py
     fp32_amax: dict[int, Optional[float]] = field(default_factory=dict)
@@ -112,6 +113,7 @@ class Localizer:
         self._slot_of: dict[int, tuple[weakref.ref, int]] = {}
         self._grad_roles: dict[int, tuple[weakref.ref, list[tuple[int, str]]]] = {}
         self._pending_inputs: dict[int, list[list[int]]] = {}
+        self._micro_batch = -1  # forward calls of the root module this step, minus one
 
     def take(self) -> StepRecords:
         """Hand over this step's records and start a new step. No sync."""
@@ -161,6 +163,8 @@ class Localizer:
     def _before_forward(self, index: int, module: Any, args: Any, kwargs: Any) -> None:
         if not (self._active and self._should_record()):
             return
+        if index == 0:  # the root: a new micro-batch (issue 12: "rank 3's micro-batch 2")
+            self._micro_batch += 1
         if len(args) == 1 and not kwargs:
             tensors = _tensor_list(args[0])
         else:
@@ -180,7 +184,7 @@ class Localizer:
         inputs = stack.pop() if stack else []
         tensors = _tensor_list(output)
         outputs = [self._slot_for(t) for t in tensors]
-        self._records.calls.append((index, inputs, outputs))
+        self._records.calls.append((index, inputs, outputs, max(self._micro_batch, 0)))
         if self.keeper is not None and self._records.host_bad:  # host path only: values known now
             slots = self._records.slots
             bad = [not _slot_finite(slots[i]) for i in outputs], [not _slot_finite(slots[i]) for i in inputs]
@@ -213,7 +217,8 @@ class Localizer:
     def _on_grad(self, roles: list[tuple[int, str]], grad: torch.Tensor) -> None:
         # Must never raise or return a tensor: it runs inside the user's backward().
         if self._active and grad is not None and grad.is_floating_point() and grad.numel() > 0:
-            self._records.grads.append((self._reduce(grad), roles))
+            # backward k follows forward k in an accumulation loop: the current micro-batch
+            self._records.grads.append((self._reduce(grad), roles, max(self._micro_batch, 0)))
 
 
 def _slot_finite(slot: Slot) -> bool:
@@ -229,6 +234,7 @@ class ModuleStat:
     nan: float = 0.0
     inf: float = 0.0
     dtype: str = ""
+    micro_batch: Optional[int] = None  # where it first went non-finite
 
 
 def _slot_summaries(values: list[tuple[float, float, float, float]]) -> tuple[list[bool], list[float]]:
@@ -252,7 +258,7 @@ def _innermost(candidates: list[int], names: list[str]) -> int:
 
 
 def _merge(stats: dict, key: tuple[int, str], slot: int, bad: list[bool], amax: list[float],
-           values: list, dtype: str) -> None:
+           values: list, dtype: str, micro_batch: int) -> None:
     stat = stats.get(key)
     a = amax[slot]
     if stat is None:
@@ -260,6 +266,8 @@ def _merge(stats: dict, key: tuple[int, str], slot: int, bad: list[bool], amax: 
     elif a != a or a > stat.amax:  # NaN (a != a) wins: it was seen
         stat.amax = a
     if bad[slot]:
+        if not stat.nonfinite:
+            stat.micro_batch = micro_batch
         stat.nonfinite = True
         stat.nan += values[slot][2]
         stat.inf += values[slot][3]
@@ -278,13 +286,13 @@ def analyse(records: StepRecords, values: list[tuple[float, float, float, float]
     slots = records.slots
     stats: dict[tuple[int, str], ModuleStat] = {}
     origins: dict[str, Optional[int]] = {FORWARD: None, BACKWARD: None}
-    for module, inputs, outputs in records.calls:
+    for module, inputs, outputs, micro_batch in records.calls:
         for s in outputs:
-            _merge(stats, (module, FORWARD), s, bad, amax, values, slots[s].dtype)
+            _merge(stats, (module, FORWARD), s, bad, amax, values, slots[s].dtype, micro_batch)
         if origins[FORWARD] is None and any(bad[s] for s in outputs) and not any(bad[s] for s in inputs):
             origins[FORWARD] = module
     out_bad: dict[int, bool] = {}
-    for slot, roles in records.grads:
+    for slot, roles, micro_batch in records.grads:
         is_bad = bad[slot]
         candidates = []
         for module, role in roles:
@@ -292,7 +300,7 @@ def analyse(records: StepRecords, values: list[tuple[float, float, float, float]
                 out_bad[module] = out_bad.get(module, False) or is_bad
         for module, role in roles:
             if role == "in":
-                _merge(stats, (module, BACKWARD), slot, bad, amax, values, slots[slot].dtype)
+                _merge(stats, (module, BACKWARD), slot, bad, amax, values, slots[slot].dtype, micro_batch)
                 if is_bad and not out_bad.get(module, False):
                     candidates.append(module)
         if candidates and origins[BACKWARD] is None:
@@ -317,14 +325,14 @@ def flows_into(records: StepRecords, values: list[tuple[float, float, float, flo
     out: dict[str, Optional[str]] = {FORWARD: None, BACKWARD: None}
     if origins[FORWARD] is not None:
         container = names[origins[FORWARD]]
-        for module, inputs, _outputs in records.calls:
+        for module, inputs, _outputs, _micro in records.calls:
             child = _child_of(container, names[module])
             if child is not None and any(bad[s] for s in inputs):
                 out[FORWARD] = child
                 break
     if origins[BACKWARD] is not None:
         container = names[origins[BACKWARD]]
-        for slot, roles in records.grads:
+        for slot, roles, _micro in records.grads:
             if bad[slot]:
                 child = next((c for c in (_child_of(container, names[m]) for m, role in roles if role == "out")
                               if c is not None), None)

@@ -120,9 +120,9 @@ class PackReader:
             count = int(nan + inf) if nan is not None else None
             out.events.append((pack.step, "param_grad", self._grad_name(pack, pid, seg("loc")),
                                _kind(nan or 0, inf or 0, n), count, _nullable(amax),
-                               self.param_dtypes[pid], 0, None, None, None))
+                               self.param_dtypes[pid], 0, None, None, None, None))
         if loss is not None and not math.isfinite(loss):
-            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0, None, None, None))
+            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0, None, None, None, None))
         if pack.loc is not None:
             self._localization_rows(pack, seg("loc"), out)
         return out
@@ -171,7 +171,7 @@ class PackReader:
                 origin = origins[phase] == module
                 fp32 = records.fp32_amax.get(module) if origin and phase == localize.FORWARD else None
                 out.events.append((pack.step, phase, self.module_names[module], _kind(s.nan, s.inf),
-                                   int(s.nan + s.inf), _nullable(s.amax), s.dtype, int(origin),
+                                   int(s.nan + s.inf), _nullable(s.amax), s.dtype, int(origin), s.micro_batch,
                                    _nullable(fp32), None if fp32 is None else int(math.isnan(fp32)),
                                    into.get(phase) if origin else None))
             if has_events or pack.step % self.layer_every == 0:

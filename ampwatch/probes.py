@@ -6,6 +6,7 @@ unless its docstring says so.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -75,6 +76,12 @@ def steps_inside_kernel(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def backward_pass_id() -> int:
+    """An id of the backward pass now running (-1 outside one), to act once per pass."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return int(current()) if current is not None else -1
+
+
 def at_backward_end(callback: Any) -> None:
     """Run ``callback`` once the current backward pass has finished (call from inside an autograd hook).
 
@@ -84,6 +91,53 @@ def at_backward_end(callback: Any) -> None:
     finalize_backward, which waits for the gradient all-reduce."""
     engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(lambda: engine.queue_callback(callback))
+
+
+# --- distributed ----------------------------------------------------------------------------
+
+def is_dtensor(t: Any) -> bool:
+    """A ``DTensor`` (FSDP2 parameters and gradients, tensor parallelism), without importing it."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor, else ``t``. No collective, no sync.
+
+    Every reduction the recorder makes goes through here first: a reduction on a sharded DTensor
+    would return a ``Partial`` result whose use issues an all-reduce on the training step."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # the common case, cheaply
+        return t
+    if is_dtensor(t):
+        return t.detach().to_local()
+    return t
+
+
+def is_sharded(t: Any) -> bool:
+    """Whether a DTensor is split across ranks (some ``Shard`` placement) rather than replicated."""
+    return is_dtensor(t) and any(getattr(p, "is_shard", lambda: False)() for p in t.placements)
+
+
+def fsdp1_wrapped(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is or holds a ``FullyShardedDataParallel`` (FSDP1) module: flat sharded grads."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FullyShardedDataParallel", None) if fsdp is not None else None
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
+def agreed_value(key: str, proposal: str) -> Optional[str]:
+    """The value all ranks of the default process group agree on for ``key``: the first rank to ask
+    stores its ``proposal`` and every later rank reads it back (one compare-and-set on the
+    rendezvous store, at attach time only: a key-value request, not a collective, and it waits for
+    no other rank). None when there is no store to ask."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        value = store.compare_set(key, "", proposal)
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError):
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 # --- gradients ------------------------------------------------------------------------------
@@ -99,10 +153,11 @@ def tensor_norms(tensors: Sequence[torch.Tensor], out_device: torch.device) -> t
     """L2 norm of each tensor, as one float32 vector on ``out_device`` (one foreach call per device).
 
     A norm is inf/NaN exactly when its tensor holds inf/NaN, so this also flags non-finite grads.
-    No sync.
+    DTensors give this rank's shard norm (:func:`local`). No sync, no collective.
     """
     if not tensors:
         return torch.zeros(0, device=out_device)
+    tensors = [local(t) for t in tensors]
     result: list[Optional[torch.Tensor]] = [None] * len(tensors)
     for device, idx in _group_by_device(tensors).items():
         group = [tensors[i] for i in idx]
@@ -127,14 +182,20 @@ def tensor_details(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
                    known_finite: Optional[Sequence[bool]] = None) -> torch.Tensor:
     """Per gradient: [max |g|, NaN count, inf count, zero count, param L2 norm], shape (n, 5). No sync.
 
+    DTensors are reduced on this rank's shard (:func:`local`): no collective.
+
     Paid only on ``layer_every`` steps and bad steps. ``aminmax`` instead of ``abs().amax()``
     or ``_foreach_norm(inf)``: 2-18x cheaper on CPU (shared/research/overhead-anchors.md).
     ``known_finite[i]`` (when the caller could read the norms for free) skips the two full passes
     that count NaN/inf in gradients already known to be finite.
     """
     rows = []
+    grads, params = [local(g) for g in grads], [local(p) for p in params]
     zero_count = torch.zeros((), dtype=dtype, device=grads[0].device) if grads else None
     for i, (g, p) in enumerate(zip(grads, params)):
+        if g.numel() == 0:  # a rank's shard may be empty (FSDP pads; a bias of 1 on 2 ranks)
+            rows.append(torch.zeros(5, dtype=dtype, device=out_device))
+            continue
         mn, mx = torch.aminmax(g.detach())
         amax = torch.maximum(mn.abs(), mx.abs()).to(dtype)
         if known_finite is not None and known_finite[i]:

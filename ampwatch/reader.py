@@ -124,7 +124,7 @@ class Run:
         info["status"] = effective_status(row)
         info["scaler_enabled"] = bool(row.get("scaler_enabled"))
         info["localize"] = bool(row.get("localize"))
-        # Runs before schema 3 (issue 13) stored the mean of the values scaler.scale() saw, and
+        # Runs before schema 4 (issue 13) stored the mean of the values scaler.scale() saw, and
         # read as written: a NULL definition says so.
         info["loss_definition"] = row.get("loss_definition") or "scaled-mean"
         info.setdefault("clip_max_norm", None)

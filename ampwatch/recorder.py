@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from . import clipwatch, probes
+from .backward import BackwardEnd
 from .localize import Localizer
 from .packing import StepPack
 from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
@@ -77,7 +78,7 @@ class Watch:
         self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
         self._params, names = parameter_table(model, self.optimizer)
-        self._param_numel = {i: p.numel() for i, p in enumerate(self._params)}
+        self._param_numel = {i: probes.local(p).numel() for i, p in enumerate(self._params)}  # this rank's
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._pack_dtype = probes.pack_dtype(self._device)
@@ -93,6 +94,7 @@ class Watch:
         info["name"] = info["name"] or self.path.stem
         self.name = info["name"]
         self.localizer: Optional[Localizer] = None
+        self._trigger: Optional[BackwardEnd] = None
         try:
             self._open_writer(info, names)
         except Exception as exc:  # unwritable directory, full disk: training goes on unrecorded
@@ -136,9 +138,8 @@ class Watch:
         self._amp_handles = [m.register_forward_pre_hook(self._guarded(self._on_first_forward))
                              for m in (self.model, *self.model.children())]
         self._handles.extend(self._amp_handles)
-        counted = next((p for p in self._params if p.requires_grad), None)
-        if counted is not None and hasattr(counted, "register_post_accumulate_grad_hook"):
-            self._handles.append(counted.register_post_accumulate_grad_hook(self._guarded(self._on_backward)))
+        self._trigger = BackwardEnd(self.model, self._params, self._guarded(self._on_backward),
+                                         self._guarded(self._on_backward_end))
         if self.scaler is not None:
             for method in _SCALER_METHODS:
                 original = getattr(self.scaler, method)
@@ -224,9 +225,8 @@ class Watch:
             handle.remove()
         self._amp_handles = []
 
-    def _on_backward(self, param: Any) -> None:
+    def _on_backward(self) -> None:
         self._backwards += 1
-        probes.at_backward_end(self._guarded(self._on_backward_end))
 
     def _on_backward_end(self) -> None:
         """Measure gradients as backward leaves them: before any user clipping, with or without a
@@ -452,6 +452,8 @@ class Watch:
             handle.remove()
         self._handles.clear()
         clipwatch.stop(self)
+        if self._trigger is not None:
+            self._trigger.remove()
         for method, previous in self._patched.items():
             if self.scaler.__dict__.get(method) is not self._wrappers.get(method):
                 # another watch wrapped ours: unlinking would drop its wrapper. Ours stays in its

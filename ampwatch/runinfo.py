@@ -1,6 +1,7 @@
 """What a run is: its name, file path, environment and parameter table, gathered once at attach."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -21,6 +22,41 @@ def _distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+_attach_count = itertools.count()  # per process: the n-th watch of every rank agrees on one key
+
+
+def job_id(world_size: int) -> Optional[str]:
+    """What every rank of one job records alike, so a reader can put the ranks back together.
+
+    ``TORCHELASTIC_RUN_ID`` (torchrun's rendezvous id) when it names the job: torchrun without
+    ``--rdzv-id`` or ``--standalone`` sets it to ``none`` for every job, which names nothing. Else
+    ``MASTER_ADDR:MASTER_PORT@<UTC time>``, the time being the first rank's attach time, handed to
+    the others through the rendezvous store (:func:`probes.agreed_value`: one compare-and-set at
+    attach, not a collective, no waiting). Only without a store (no such process group) does each
+    rank fall back to its own time rounded down to the minute, which can split a job whose ranks
+    attach on either side of a minute. None for a single process.
+    """
+    if world_size <= 1:
+        return None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id.lower() != "none":
+        return run_id
+    address = f"{os.environ.get('MASTER_ADDR', socket.gethostname())}:{os.environ.get('MASTER_PORT', '')}"
+    now = time.time()
+    agreed = probes.agreed_value(f"ampwatch/job_id/{next(_attach_count)}",
+                                 f"{address}@{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}")
+    return agreed or f"{address}@{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(now))}"
+
+
+def grad_sharding(model: torch.nn.Module, params: list[torch.Tensor], world_size: int) -> str:
+    """'sharded' when each rank holds part of the gradients (FSDP2/DTensor ``Shard``, FSDP1): the
+    global norm is sqrt(sum over ranks of grad_norm^2). 'replicated' for any other multi-process run
+    (DDP all-reduces: every rank's grad_norm is the global one). 'none' for a single process."""
+    if any(probes.is_sharded(p) for p in params) or probes.fsdp1_wrapped(model):
+        return "sharded"
+    return "replicated" if world_size > 1 else "none"
 
 
 def parameter_table(model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -96,6 +132,7 @@ def describe_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale
         "ampwatch_version": __version__, "device": str(device), "amp_dtype": None,
         "optimizer": type(optimizer).__name__, "param_count": sum(p.numel() for p in params),
         "rank": rank, "world_size": world, "framework": options.get("framework"),
+        "job_id": job_id(world), "grad_sharding": grad_sharding(model, params, world),
         "layer_every": options["layer_every"], "localize": int(options["localize"]),
         "config": config or {}, "schema_version": SCHEMA_VERSION,
     }

@@ -33,8 +33,8 @@ _INSERTS = {
     "layers": "INSERT OR REPLACE INTO layers (param_id, step, grad_norm, grad_amax, param_norm,"
               " grad_nonfinite, grad_zero_frac, nan_mask) VALUES (?,?,?,?,?,?,?,?)",
     "modules": "INSERT OR REPLACE INTO modules (module_id, phase, step, amax, nonfinite) VALUES (?,?,?,?,?)",
-    "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, fp32_amax, fp32_nan,"
-              " flows_into) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+    "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch,"
+              " fp32_amax, fp32_nan, flows_into) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
     "metrics": "INSERT OR REPLACE INTO metrics (key, step, value) VALUES (?,?,?)",
 }
 

@@ -29,11 +29,11 @@ def synthetic_records(n_modules: int, rng: random.Random) -> StepRecords:
     for m in range(n_modules):
         v = rng.uniform(0.5, 50.0)
         rec.slots.append(Slot("float16", host=(-v, v, 0.0, 0.0)))
-        rec.calls.append((m, [len(rec.slots) - 2] if m else [], [len(rec.slots) - 1]))
+        rec.calls.append((m, [len(rec.slots) - 2] if m else [], [len(rec.slots) - 1], 0))
     for m in reversed(range(n_modules)):
         v = rng.uniform(1.0, 1e4)
         rec.slots.append(Slot("float16", host=(-v, v, 0.0, 0.0)))
-        rec.grads.append((len(rec.slots) - 1, [(m, "in")]))
+        rec.grads.append((len(rec.slots) - 1, [(m, "in")], 0))
     return rec
 
 

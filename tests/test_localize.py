@@ -216,7 +216,9 @@ def test_localize_off_installs_no_module_hooks(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ampwatch.attach(model, opt, path=str(tmp_path / "r.sqlite"), localize=False) as watch:
-        assert all(not m._forward_hooks for m in model.modules())
+        # only the root's output is hooked: the backward-end trigger (ampwatch/backward.py)
+        assert all(not m._forward_hooks for m in model.modules() if m is not model)
+        assert len(model._forward_hooks) == 1
         amp_step(model, opt, None, *data(0), watch=watch)
     run = ampwatch.load(watch.path)
     assert run.modules.empty and len(run.steps) == 1
@@ -232,3 +234,26 @@ def test_detach_removes_every_hook(tmp_path):
     watch.close()
     after = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
     assert after == before
+
+
+def test_event_names_the_micro_batch_that_overflowed(tmp_path):
+    """Issue 12: "rank 3's micro-batch 2". A bad sample in micro-batch 1 of 3 at step 2 only."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for step in range(4):
+            x, y = data(step, n=48)
+            if step == 2:
+                x[16 + 5, 3] = 1e5  # micro-batch 1 (rows 16..31): fp16 casts it to inf inside layer 0
+            amp_step(model, opt, scaler, x, y, accum=3)
+    run = ampwatch.load(watch.path)
+    ev = run.query("SELECT step, phase, module, origin, micro_batch FROM events")
+    forward = ev[ev.phase == "forward"]
+    assert set(forward["step"]) == {2}
+    assert forward[forward.origin == 1][["module", "micro_batch"]].values.tolist() == [["0", 1]]
+    assert set(forward["micro_batch"]) == {1}  # micro-batches 0 and 2 were clean in forward
+    backward = ev[ev.phase == "backward"]
+    assert set(backward["micro_batch"]) <= {1}
+    assert ev[ev.phase.isin(["param_grad", "loss"])]["micro_batch"].isna().all()
+    assert run.steps.set_index("step").loc[2, "skipped"] and run.steps["micro_batches"].tolist() == [3] * 4

@@ -328,3 +328,27 @@ def test_two_watches_on_one_scaler_close_in_any_order(tmp_path):
     for method in ("scale", "unscale_", "step", "update"):  # the scaler works as before: a plain loop
         assert callable(getattr(scaler, method))
     amp_step(model, opt, scaler, *data(9))
+
+
+def test_backward_end_is_seen_when_the_first_parameter_gets_no_gradient(tmp_path):
+    """The norm is taken when backward ends, before clipping, even when the parameter whose
+    post-accumulate-grad hook used to be the only signal gets no gradient (an unused parameter
+    here; FSDP1's flat parameters, likewise): the root output's gradient hook also signals it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # first: own params go first
+    assert next(model.parameters()) is model.unused
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pre_clip = []
+    with ampwatch.attach(model, opt, path=str(tmp_path / "r.sqlite")) as watch:
+        for i in range(3):
+            x, y = data(i)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            watch.log(loss=loss)
+            pre_clip.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+            opt.step()
+            opt.zero_grad()
+    steps = ampwatch.load(watch.path).steps
+    assert steps["grad_norm"].tolist() == pytest.approx(pre_clip, rel=1e-5)
+    assert steps["micro_batches"].tolist() == [1, 1, 1]

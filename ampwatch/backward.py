@@ -1,0 +1,84 @@
+"""Knowing when each backward pass ends, alike under plain training, DDP, FSDP1 and FSDP2.
+
+The recorder measures gradients when backward has finished (after DDP's all-reduce or FSDP's
+reduce-scatter), so it needs a signal that fires once per backward pass, inside it. Two triggers,
+deduplicated per pass, feed one callback queued on the autograd engine (:func:`probes.at_backward_end`):
+
+- a gradient hook on the root module's outputs, registered by a forward hook at each forward with
+  grad enabled: it fires as soon as backward reaches the model's output, whatever wraps the
+  parameters. FSDP1's flat parameters never run the original parameters' AccumulateGrad;
+  FSDP2 runs a sharded parameter's post-accumulate-grad hooks itself, and only when it
+  reduce-scatters (not on micro-batches under ``set_requires_gradient_sync(False)``).
+- a post-accumulate-grad hook on one trainable parameter: covers a loss computed from something
+  other than the model's outputs (a hook on an intermediate, a parameter penalty).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from . import probes
+
+
+def _outputs(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors that carry gradient inside a module's output (tuples, lists, dicts, HF outputs)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad and obj.grad_fn is not None:
+            yield obj
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _outputs(item, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from _outputs(item, depth + 1)
+
+
+class BackwardEnd:
+    """Calls ``started()`` when a backward pass reaches the model and ``ended()`` once it is over.
+
+    Both callbacks must never raise (the recorder passes guarded ones). ``handles`` are the
+    removable hooks; gradient hooks already on live output tensors become no-ops after
+    :meth:`remove`. No sync, no collective.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.Tensor],
+                 started: Callable[[], None], ended: Callable[[], None]) -> None:
+        self._started, self._ended = started, ended
+        self._queued: Optional[int] = None  # backward pass whose end is queued (-1: id unknown)
+        self._active = True
+        self.handles: list[Any] = [model.register_forward_hook(self._on_output)]
+        counted = next((p for p in params if p.requires_grad), None)
+        if counted is not None and hasattr(counted, "register_post_accumulate_grad_hook"):
+            self.handles.append(counted.register_post_accumulate_grad_hook(self._fire))
+
+    def remove(self) -> None:
+        self._active = False
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _on_output(self, module: Any, args: Any, output: Any) -> None:
+        if not (self._active and torch.is_grad_enabled()):
+            return
+        self._queued = None  # a new forward: a pass that died mid-way queues nothing any more
+        for t in _outputs(output):
+            t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._fire()  # returns None: the gradient flows on unchanged
+
+    def _fire(self, *_: Any) -> None:
+        if not self._active:
+            return
+        current = probes.backward_pass_id()
+        if self._queued is not None and (current == -1 or current == self._queued):
+            return  # this pass's end is queued already (several outputs, or both triggers)
+        self._queued = current
+        self._started()
+        probes.at_backward_end(self._on_end)
+
+    def _on_end(self) -> None:
+        self._queued = None
+        if self._active:
+            self._ended()
