@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pandas as pd
 
+from .damage import reads
 from .errors import RunError
 from .reader import _check_schema, check_run_file, connect, effective_status, find_runs
 from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
@@ -66,6 +67,7 @@ def _steps_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 # -- runs table -------------------------------------------------------------------------------------
 
+@reads
 def run_row(path: Any) -> dict[str, Any]:
     """One row of the runs table, from SQL aggregates (fast on a 1M-step run)."""
     with open_run(path) as conn:
@@ -86,7 +88,7 @@ def run_row(path: Any) -> dict[str, Any]:
             "steps": n, "skipped": skipped, "skipped_pct": 100.0 * skipped / n if n else 0.0,
             "final_scale": tail["loss_scale"] if tail is not None else None,
             "first_nonfinite_step": min(firsts) if firsts else None, "last_loss": last_loss,
-            "started": pd.to_datetime(info["started_at"], unit="s"), "amp_dtype": info.get("amp_dtype"),
+            "started": pd.to_datetime(info["started_at"], unit="s", errors="coerce"), "amp_dtype": info.get("amp_dtype"),
             "first_step": first, "last_step": last}
 
 
@@ -230,6 +232,7 @@ def run_info(conn: sqlite3.Connection) -> dict[str, Any]:
     return row
 
 
+@reads
 def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = None,
                   buckets: int = STEP_BUCKETS) -> Overview:
     """Everything the run overview draws, for steps [start, end] (default: the whole run)."""
@@ -247,6 +250,7 @@ def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = N
     return Overview(steps, skipped, nonfinite, changes, width, start, end, info)
 
 
+@reads
 def skip_rate(path: Any, buckets: int = 200) -> pd.DataFrame:
     """Skipped fraction per bucket of steps (Compare's skip-rate chart): step (bucket start), rate."""
     with open_run(path) as conn:
@@ -262,6 +266,7 @@ def skip_rate(path: Any, buckets: int = 200) -> pd.DataFrame:
 
 # -- per step ---------------------------------------------------------------------------------------
 
+@reads
 def events(path: Any) -> pd.DataFrame:
     """NaN/Inf events, origin first within each step (the module where it was born)."""
     with open_run(path) as conn:
@@ -271,6 +276,7 @@ def events(path: Any) -> pd.DataFrame:
     return df
 
 
+@reads
 def step_detail(path: Any, step: int) -> dict[str, Any]:
     """Every recorded figure at ``step``: its steps row, layers, modules, events and metrics."""
     with open_run(path) as conn:
