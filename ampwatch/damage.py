@@ -83,21 +83,38 @@ def _table_is_sound(conn: sqlite3.Connection, table: str) -> bool:
         return False
 
 
-def damaged_tables(path: Any) -> Optional[list[str]]:
+def damaged_tables(path: Any) -> list[str]:
     """The tables of ``path`` that fail SQLite's quick_check or hold values of the wrong type;
     ``[_SCHEMA]`` when the file cannot even list its tables; [] for a sound file.
-    Never writes. Cost: reads the whole file (only ever on an error path)."""
-    p = Path(os.fspath(path))
+    Never writes. Cost: reads the whole file (only ever on an error path; remembered per file version)."""
+    p = Path(os.fspath(path)).absolute()
+    try:
+        version = tuple((s.st_size, s.st_mtime_ns) for s in (p.stat(),)) + _wal_version(p)
+    except OSError:
+        return [_SCHEMA]
+    return list(_check(p, version))
+
+
+def _wal_version(p: Path) -> tuple:
+    try:
+        s = Path(f"{p}-wal").stat()
+        return ((s.st_size, s.st_mtime_ns),)
+    except OSError:
+        return ()
+
+
+@functools.lru_cache(maxsize=64)  # several readers of one damaged file: one check
+def _check(p: Path, version: tuple) -> tuple[str, ...]:
     try:
         conn = open_read_only(p)
     except (sqlite3.Error, UnicodeError):
-        return [_SCHEMA]
+        return (_SCHEMA,)
     try:
         try:
             tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY rootpage")]
         except (sqlite3.Error, UnicodeError):
-            return [_SCHEMA]
-        return [t for t in tables if not _table_is_sound(conn, t)]
+            return (_SCHEMA,)
+        return tuple(t for t in tables if not _table_is_sound(conn, t))
     finally:
         conn.close()
 
