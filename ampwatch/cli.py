@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -120,7 +121,8 @@ def export(path: str, fmt: str, out: str) -> None:
             raise click.ClickException("parquet export needs pyarrow: pip install 'ampwatch[parquet]'")
     for table in ("steps", "layers", "modules", "events", "metrics"):
         df = getattr(run, table)
-        file = target / f"{run.name}_{table}.{fmt}"
+        # the name comes from the file: keep it a plain file name (no '/', '..' or control bytes)
+        file = target / f"{re.sub(r'[^\w.-]', '_', run.name).lstrip('.') or 'run'}_{table}.{fmt}"
         if fmt == "csv":
             df.to_csv(file, index=False)
         else:

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pandas as pd
 
+from .damage import reads
 from .errors import RunError
 from .reader import _check_schema, alias_map, check_run_file, clip_threshold, connect, effective_status, find_runs
 from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
@@ -76,6 +77,7 @@ def warmup_end(conn: sqlite3.Connection) -> int:
     return first_clean if first is not None and first_clean is not None else (first or 0)
 
 
+@reads
 def run_row(path: Any) -> dict[str, Any]:
     """One row of the runs table, from SQL aggregates (fast on a 1M-step run)."""
     with open_run(path) as conn:
@@ -99,7 +101,7 @@ def run_row(path: Any) -> dict[str, Any]:
             "steps": n, "skipped": skipped, "skipped_pct": 100.0 * skipped / n if n else 0.0,
             "final_scale": tail["loss_scale"] if tail is not None else None,
             "first_nonfinite_step": min(firsts) if firsts else None, "last_loss": last_loss,
-            "started": pd.to_datetime(info["started_at"], unit="s"), "amp_dtype": info.get("amp_dtype"),
+            "started": pd.to_datetime(info["started_at"], unit="s", errors="coerce"), "amp_dtype": info.get("amp_dtype"),
             "first_step": first, "last_step": last, "error_tail": error_tail(info) if effective_status(info) == "crashed" else []}
 
 
@@ -255,6 +257,7 @@ def run_info(conn: sqlite3.Connection) -> dict[str, Any]:
     return row
 
 
+@reads
 def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = None,
                   buckets: int = STEP_BUCKETS) -> Overview:
     """Everything the run overview draws, for steps [start, end] (default: the whole run)."""
@@ -272,6 +275,7 @@ def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = N
     return Overview(steps, skipped, nonfinite, changes, width, start, end, info)
 
 
+@reads
 def skip_rate(path: Any, buckets: int = 200) -> pd.DataFrame:
     """Skipped fraction per bucket of steps (Compare's skip-rate chart): step (bucket start), rate."""
     with open_run(path) as conn:
@@ -297,6 +301,7 @@ def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame, column: str = "mod
     return df
 
 
+@reads
 def events(path: Any) -> pd.DataFrame:
     """NaN/Inf events, origin first within each step (the module where it was born)."""
     with open_run(path) as conn:
@@ -307,6 +312,7 @@ def events(path: Any) -> pd.DataFrame:
     return df
 
 
+@reads
 def step_detail(path: Any, step: int) -> dict[str, Any]:
     """Every recorded figure at ``step``: its steps row, layers, modules, events and metrics."""
     with open_run(path) as conn:

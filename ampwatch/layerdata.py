@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
+from .damage import reads
 from .dashdata import DTYPE_MAX, _INF, _df, open_run, run_info
 from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
@@ -69,6 +70,7 @@ def _layer_span(conn: sqlite3.Connection, start: Optional[int], end: Optional[in
     return (lo if start is None else max(lo, int(start))), (hi if end is None else min(hi, int(end)))
 
 
+@reads
 def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = None, end: Optional[int] = None,
                   buckets: int = LAYER_BUCKETS) -> LayerGrid:
     """Per-layer ``metric`` (one of LAYER_METRICS) as a layers x buckets grid, max per bucket.
@@ -129,6 +131,7 @@ def grid_frame(grid: LayerGrid) -> pd.DataFrame:
                          "nonfinite": grid.nonfinite.ravel()})
 
 
+@reads
 def zero_grad_fraction(path: Any, start: Optional[int] = None, end: Optional[int] = None,
                        samples: int = ZERO_FRAC_SAMPLES) -> pd.DataFrame:
     """Per layer: mean and max fraction of exactly-zero gradient elements (underflow), and the
@@ -152,6 +155,7 @@ def zero_grad_fraction(path: Any, start: Optional[int] = None, end: Optional[int
     return out.drop(columns=["id"])
 
 
+@reads
 def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] = None,
                     buckets: int = LAYER_BUCKETS) -> pd.DataFrame:
     """Per module and phase: max |value| seen, the dtype's limit and the headroom factor (limit / amax).

@@ -6,13 +6,13 @@ import math
 import os
 import sqlite3
 import time
-import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pandas as pd
 
+from .damage import guard, open_read_only, reads
 from .errors import RunError
 from .schema import LAYER_NAN_BITS, SCHEMA_VERSION, STEP_NAN_BITS
 
@@ -42,17 +42,18 @@ def check_run_file(path: Any) -> Path:
 
 @contextmanager
 def connect(path: Any) -> Iterator[sqlite3.Connection]:
-    """A read-only connection to a checked run file (``mode=ro``: this process cannot write it)."""
+    """A read-only connection to a checked run file (``mode=ro``: this process cannot write it).
+
+    Whatever fails inside the ``with`` block on a damaged file becomes one RunError line
+    (:func:`ampwatch.damage.guard`); text that is not UTF-8 reads with U+FFFD instead of raising."""
     p = check_run_file(path)
-    uri = f"file:{urllib.parse.quote(str(p.absolute()))}?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        conn = open_read_only(p)
     except sqlite3.Error as exc:
         raise RunError(f"cannot open {str(p)!r} read-only: {exc}") from None
     try:
-        yield conn
-    except sqlite3.DatabaseError as exc:
-        raise RunError(f"{str(p)!r} is corrupt or truncated ({exc}): the run cannot be read") from None
+        with guard(p):
+            yield conn
     finally:
         conn.close()
 
@@ -68,11 +69,11 @@ def _check_schema(conn: sqlite3.Connection, p: Path) -> None:
 
 
 def _pid_alive(pid: Optional[int]) -> bool:
-    if not pid:
+    if not isinstance(pid, int) or pid <= 0:  # 0 or negative would ask about a process group
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
@@ -95,6 +96,45 @@ def effective_status(row: dict[str, Any], now: Optional[float] = None) -> str:
 
 
 
+def _steps(df: pd.DataFrame) -> pd.DataFrame:
+    for col, bit in STEP_NAN_BITS.items():
+        df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
+    df["loss_scale"] = df["loss_scale"].astype(float)
+    df["skipped"] = df["skipped"].astype(bool)
+    return df.drop(columns=["nan_mask"])
+
+
+def _layers(df: pd.DataFrame) -> pd.DataFrame:
+    for col, bit in LAYER_NAN_BITS.items():
+        df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
+    df["grad_zero_frac"] = df["grad_zero_frac"].astype(float)
+    return df.drop(columns=["nan_mask"])
+
+
+def _modules(df: pd.DataFrame) -> pd.DataFrame:
+    df["amax"] = df["amax"].astype(float)
+    df["nonfinite"] = df["nonfinite"].astype(bool)
+    return df
+
+
+def _events(df: pd.DataFrame) -> pd.DataFrame:
+    df["origin"] = df["origin"].astype(bool)
+    df["amax"] = df["amax"].astype(float)
+    df["micro_batch"] = df["micro_batch"].astype(object).where(df["micro_batch"].notna(), None)
+    # SQLite keeps NaN as NULL: fp32_nan tells a NaN recompute from "not recomputed" (None).
+    nan = df.pop("fp32_nan").fillna(0).astype(int).to_numpy() == 1
+    df["fp32_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
+                                 for n, v in zip(nan, df["fp32_amax"].astype(object))],
+                                index=df.index, dtype=object)
+    df["flows_into"] = df["flows_into"].astype(object).where(df["flows_into"].notna(), None)
+    return df
+
+
+def _metrics(df: pd.DataFrame) -> pd.DataFrame:
+    df["value"] = df["value"].astype(float)
+    return df
+
+
 class Run:
     """A recorded run, opened read-only. Tables are read on first access and cached.
 
@@ -114,10 +154,12 @@ class Run:
         self._cache: dict[str, pd.DataFrame] = {}
 
     @property
+    @reads
     def name(self) -> str:
-        return self._row["name"]
+        return str(self._row["name"])
 
     @property
+    @reads
     def info(self) -> dict[str, Any]:
         row = self._row
         info = {k: v for k, v in row.items() if k not in ("id", "config_json")}
@@ -130,71 +172,58 @@ class Run:
         info.setdefault("clip_max_norm", None)
         try:
             info["config"] = json.loads(row.get("config_json") or "{}")
-        except ValueError:
+        except (ValueError, TypeError):
             info["config"] = {}
         return info
 
+    @reads
     def query(self, sql: str, params: tuple = ()) -> pd.DataFrame:
         """Run a parameterised read-only query against the run file."""
         with connect(self.path) as conn:
             return pd.read_sql_query(sql, conn, params=params)
 
-    def _table(self, key: str, sql: str) -> pd.DataFrame:
+    def _table(self, key: str, sql: str, convert: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
+               ) -> pd.DataFrame:
+        """A table read once and cached; ``convert`` runs under the same damage guard as the read
+        (a flipped type byte shows up only when a column is converted)."""
         if key not in self._cache:
-            self._cache[key] = self.query(sql)
+            with guard(self.path):
+                self._cache[key] = convert(self.query(sql))
         return self._cache[key].copy()
 
     @property
     def steps(self) -> pd.DataFrame:
-        df = self._table("steps", "SELECT step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr,"
-                                  " micro_batches, nan_mask FROM steps ORDER BY step")
-        for col, bit in STEP_NAN_BITS.items():
-            df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
-        df["loss_scale"] = df["loss_scale"].astype(float)
-        df["skipped"] = df["skipped"].astype(bool)
-        return df.drop(columns=["nan_mask"])
+        return self._table("steps", "SELECT step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr,"
+                                    " micro_batches, nan_mask FROM steps ORDER BY step", _steps)
 
     @property
     def layers(self) -> pd.DataFrame:
-        df = self._table("layers", "SELECT l.step, t.name, l.grad_norm, l.grad_amax, l.param_norm,"
-                                   " l.grad_nonfinite, l.grad_zero_frac, l.nan_mask FROM layers l"
-                                   " JOIN tensors t ON t.id = l.param_id ORDER BY l.step, l.param_id")
-        for col, bit in LAYER_NAN_BITS.items():
-            df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
-        df["grad_zero_frac"] = df["grad_zero_frac"].astype(float)
-        return df.drop(columns=["nan_mask"])
+        return self._table("layers", "SELECT l.step, t.name, l.grad_norm, l.grad_amax, l.param_norm,"
+                                     " l.grad_nonfinite, l.grad_zero_frac, l.nan_mask FROM layers l"
+                                     " JOIN tensors t ON t.id = l.param_id ORDER BY l.step, l.param_id", _layers)
 
     @property
     def modules(self) -> pd.DataFrame:
-        df = self._table("modules", "SELECT m.step, t.name AS module, CASE m.phase WHEN 0 THEN 'forward'"
-                                    " ELSE 'backward' END AS phase, m.amax, m.nonfinite FROM modules m"
-                                    " JOIN tensors t ON t.id = m.module_id ORDER BY m.step, m.module_id, m.phase")
-        df["amax"] = df["amax"].astype(float)
-        df["nonfinite"] = df["nonfinite"].astype(bool)
-        return df
+        return self._table("modules", "SELECT m.step, t.name AS module, CASE m.phase WHEN 0 THEN 'forward'"
+                                      " ELSE 'backward' END AS phase, m.amax, m.nonfinite FROM modules m"
+                                      " JOIN tensors t ON t.id = m.module_id ORDER BY m.step, m.module_id, m.phase",
+                           _modules)
 
     @property
     def events(self) -> pd.DataFrame:
-        """NaN/Inf events. ``fp32_amax`` (forward origins): the max |output| of the module recomputed
-        in fp32, as float NaN/inf where the recompute gave them and None where none was done (files
-        written before schema 3 read as None); ``flows_into``: for an origin in a container's own
-        code, the child the non-finite value went into (else None)."""
-        if "events" not in self._cache:
-            with connect(self.path) as conn:
-                cols = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
-            extra = ", fp32_amax, fp32_nan, flows_into" if "fp32_amax" in cols else \
-                ", NULL AS fp32_amax, NULL AS fp32_nan, NULL AS flows_into"
-            self._cache["events"] = self.query(f"SELECT step, phase, module, kind, count, amax, dtype, origin{extra}"
-                                               f" FROM events ORDER BY step, origin DESC, id")
-        df = self._cache["events"].copy()
-        df["origin"] = df["origin"].astype(bool)
-        df["amax"] = df["amax"].astype(float)
-        # SQLite keeps NaN as NULL: fp32_nan tells a NaN recompute from "not recomputed" (None).
-        nan = df.pop("fp32_nan").fillna(0).astype(int).to_numpy() == 1
-        df["fp32_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
-                                     for n, v in zip(nan, df["fp32_amax"].astype(object))],
-                                    index=df.index, dtype=object)
-        df["flows_into"] = df["flows_into"].astype(object).where(df["flows_into"].notna(), None)
+        """NaN/Inf events. ``micro_batch``: the micro-batch of the step in which this module and
+        phase first went non-finite (None for param_grad/loss events and files before schema 2).
+        ``fp32_amax`` (forward origins): the max |output| of the module recomputed in fp32, as float
+        NaN/inf where the recompute gave them and None where none was done (files written before
+        schema 3 read as None); ``flows_into``: for an origin in a container's own code, the child
+        the non-finite value went into (else None)."""
+        with guard(self.path), connect(self.path) as conn:
+            cols = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
+        extra = ", micro_batch" if "micro_batch" in cols else ", NULL AS micro_batch"
+        extra += ", fp32_amax, fp32_nan, flows_into" if "fp32_amax" in cols else \
+            ", NULL AS fp32_amax, NULL AS fp32_nan, NULL AS flows_into"
+        df = self._table("events", f"SELECT step, phase, module, kind, count, amax, dtype, origin{extra}"
+                                   f" FROM events ORDER BY step, origin DESC, id", _events)
         others = self.aliases()
         df["aliases"] = [", ".join(others.get(m, ())) for m in df["module"]]
         return df
@@ -202,7 +231,7 @@ class Run:
     def aliases(self) -> dict[str, list[str]]:
         """Every name of a tied parameter or shared module -> its other names (empty for older runs)."""
         if "aliases" not in self._cache:
-            with connect(self.path) as conn:
+            with guard(self.path), connect(self.path) as conn:
                 cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
                 rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
                     if "aliases" in cols else []
@@ -211,9 +240,7 @@ class Run:
 
     @property
     def metrics(self) -> pd.DataFrame:
-        df = self._table("metrics", "SELECT step, key, value FROM metrics ORDER BY step, key")
-        df["value"] = df["value"].astype(float)
-        return df
+        return self._table("metrics", "SELECT step, key, value FROM metrics ORDER BY step, key", _metrics)
 
     @property
     def notices(self) -> pd.DataFrame:

@@ -6,6 +6,8 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
+from .damage import reads
+
 
 def _finite(values: pd.Series) -> pd.Series:
     return values[np.isfinite(values.astype(float))]
@@ -50,6 +52,7 @@ def _first_nonfinite(steps: pd.DataFrame, col: str) -> Optional[int]:
     return int(bad.min()) if len(bad) else None
 
 
+@reads
 def summarize(run: Any) -> dict[str, Any]:
     """Steps, skips, loss/scale/grad-norm figures and status of a :class:`ampwatch.Run`."""
     info, steps = run.info, run.steps

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
@@ -93,8 +94,23 @@ def test_demo_regenerates_a_sample(tmp_path):
     assert result.exit_code == 0, result.output
     fresh = ampwatch.load(tmp_path / "bf16_noscaler.sqlite").steps
     committed = ampwatch.load(SAMPLES / "bf16_noscaler.sqlite").steps
-    # deterministic: fixed seeds, one thread -> the same training numbers
-    assert list(fresh["loss"]) == list(committed["loss"])
+    # The committed sample was trained on another machine: CPU bf16 kernels differ in the last bits
+    # between CPUs (native bf16 units or not), and training compounds it, so compare structure and
+    # the loss curve with tolerances, never bitwise (issue 11). Still fails for a different recipe,
+    # seed, model or a recorder that drops, shifts or garbles rows.
+    assert list(fresh["step"]) == list(committed["step"]) == list(range(300))
+    assert list(fresh["skipped"]) == list(committed["skipped"])  # bf16 without a scaler: never skips
+    assert fresh["loss"].notna().all() and np.isfinite(fresh["loss"]).all()
+    assert fresh["loss_scale"].isna().all() and committed["loss_scale"].isna().all()
+    # step 0 is the same weights on the same batch: only bf16 rounding differs (seen: 1e-5 relative)
+    assert fresh["loss"].iloc[0] == pytest.approx(committed["loss"].iloc[0], rel=1e-2)
+    # The curve: windows of 30 steps agree to 10% (or 0.05 where the loss is small), and the fresh run
+    # learns as much. Weights perturbed by 1e-4 relative moved the windows by at most 4.8% (the last).
+    windows = lambda s: s.to_numpy().reshape(10, 30).mean(axis=1)  # noqa: E731
+    assert windows(fresh["loss"]) == pytest.approx(windows(committed["loss"]), rel=0.1, abs=0.05)
+    drop = lambda s: s.iloc[:30].mean() - s.iloc[-30:].mean()  # noqa: E731
+    assert drop(committed["loss"]) > 1.0 and drop(fresh["loss"]) == pytest.approx(drop(committed["loss"]), rel=0.1)
+    assert fresh["grad_norm"].notna().all() and (fresh["grad_norm"] > 0).all()
 
 
 def test_summary_separates_loss_nan_from_warmup_gradient_overflow():

@@ -69,7 +69,7 @@ class Facts:
     @contextmanager
     def open(cls, run: Any) -> Iterator["Facts"]:
         """Facts of an opened :class:`ampwatch.Run`, valid inside the ``with`` block."""
-        with connect(run.path) as conn:
+        with connect(run.path) as conn:  # connect's damage guard also covers the rules run inside
             yield cls(run, conn)
 
     def _query(self, sql: str, params: tuple = ()) -> pd.DataFrame:
