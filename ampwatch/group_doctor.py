@@ -22,6 +22,10 @@ from .group import RunGroup, rank_list
 from .groupdata import RANK_LOCAL_PHASES, first_nonfinite, group_overview, phase_steps
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {rank_list(ranks)}"
+
+
 def _where(ev: Any) -> str:
     mb = ev.get("micro_batch")
     mb_text = "" if mb is None or mb != mb else f", micro-batch {int(mb)}"
@@ -49,18 +53,18 @@ def rank_origin(group: RunGroup) -> list[Finding]:
     recurring = {r: len(s) for r, s in later.items() if s}
     kind = "Inf" if top["kind"] == "inf" else "NaN" if top["kind"] == "nan" else "NaN/Inf"
     where = ", ".join(f"rank {r}: {_where(rows[r])}" for r in bad[:8])
-    evidence = (f"step {step:,}: the forward pass went non-finite on rank{'s' if len(bad) > 1 else ''} "
-                f"{rank_list(bad)} ({where})")
+    evidence = f"step {step:,}: the forward pass went non-finite on {_ranks(bad)} ({where})"
     if clean:
-        evidence += f"; ranks {rank_list(clean)} were clean in their forward passes at that step"
+        were = "were clean in their forward passes" if len(clean) > 1 else "was clean in its forward pass"
+        evidence += f"; {_ranks(clean)} {were} at that step"
     if unseen:
-        evidence += f"; ranks {rank_list(unseen)} could not be read (missing or unreadable)"
+        evidence += f"; {_ranks(unseen)} could not be read (missing or unreadable)"
     if recurring:
         evidence += "; forward NaN/Inf later on " + ", ".join(f"rank {r} at {n} more step(s)"
                                                              for r, n in sorted(recurring.items())[:8])
     if clean:
-        title = f"A bad batch on rank {rank_list(bad)}: {kind} born in {_where(top)} at step {step:,}"
-        advice = (f"The same weights gave finite forward passes on ranks {rank_list(clean)}, so the input is the "
+        title = f"A bad batch on {_ranks(bad)}: {kind} born in {_where(top)} at step {step:,}"
+        advice = (f"The same weights gave finite forward passes on {_ranks(clean)}, so the input is the "
                   f"suspect, not the model: look at the batch rank {bad[0]} loaded for step {step:,}"
                   f"{_mb(top)} (with a DistributedSampler, rank r reads every world_size-th index of the epoch's "
                   "permutation, starting at r). Check it for extreme or corrupt values; filter or clamp inputs, "

@@ -96,7 +96,8 @@ def _first_line(group: RunGroup) -> str:
     where = f": {first.module} ({first.phase}{_mb(first.micro_batch)})" if first.module else ""
     text = f"nonfinite first at step {first.step} on rank {first.rank}{where}"
     if first.forward_ranks:
-        text += f"; forward pass non-finite on rank {rank_list(first.forward_ranks)} of {len(group.ranks)}"
+        readable = "" if group.complete else " readable"
+        text += f"; forward pass non-finite on rank {rank_list(first.forward_ranks)} of {len(group.ranks)}{readable}"
     return text
 
 
