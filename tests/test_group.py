@@ -21,9 +21,9 @@ import ampwatch
 from ampwatch.cli import cli
 from ampwatch.group import load_groups
 from ampwatch.group_doctor import diagnose_group
-from ampwatch.writer import _INSERTS, create_run_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from groupjob import step_rows, write_rank  # noqa: E402
 from group_worker import BAD_RANK, BAD_STEP, STEPS, WORLD  # noqa: E402
 from test_distributed import _free_port  # noqa: E402
 
@@ -135,29 +135,11 @@ def test_missing_and_truncated_ranks_are_reported_not_fatal(ddp_job, tmp_path):
 
 # -- synthetic jobs written with the writer directly ------------------------------------------------------
 
-def _write_rank(folder: Path, stem: str, rank: int, world: int, rows: list, *, job_id=None, sharding=None,
-                started: float = 1000.0) -> Path:
-    path = folder / f"{stem}.sqlite"
-    create_run_file(str(path), {"name": stem, "status": "finished", "started_at": started + rank, "rank": rank,
-                                "world_size": world, "job_id": job_id, "grad_sharding": sharding}, [])
-    conn = sqlite3.connect(path)
-    conn.executemany(_INSERTS["steps"], rows)
-    conn.commit()
-    conn.execute("PRAGMA journal_mode=DELETE")
-    conn.close()
-    return path
-
-
-def _rows(norms: np.ndarray, losses: np.ndarray, skipped: set) -> list:
-    return [(i, 0.0, 0.1, float(l), 1024.0, int(i in skipped), float(n), 1e-3, 1, 0)
-            for i, (n, l) in enumerate(zip(norms, losses))]
-
-
 def test_sharded_global_norm_is_the_root_of_summed_squares(tmp_path):
     rng = np.random.default_rng(0)
     norms, losses = rng.random((3, 50)), rng.random((3, 50))
     for r in range(3):
-        _write_rank(tmp_path, f"fsdp_{r}", r, 3, _rows(norms[r], losses[r], {7} if r != 1 else {7, 9}),
+        write_rank(tmp_path, f"fsdp_{r}", r, 3, step_rows(norms[r], losses[r], {7} if r != 1 else {7, 9}),
                     sharding="sharded")
     group = ampwatch.load_group(tmp_path)
     g = group.global_steps
@@ -175,7 +157,7 @@ def test_overview_samples_but_keeps_every_skip_and_is_exact_there(tmp_path):
     rng = np.random.default_rng(1)
     n, skips = 1000, {3, 333, 334, 999}
     for r in range(2):
-        _write_rank(tmp_path, f"job.rank{r}", r, 2, _rows(rng.random(n), rng.random(n), skips))
+        write_rank(tmp_path, f"job.rank{r}", r, 2, step_rows(rng.random(n), rng.random(n), skips))
     group = ampwatch.load_group(tmp_path)
     ov = group.overview(points=50)
     full = group.global_steps.set_index("step")
@@ -190,10 +172,10 @@ def test_overview_samples_but_keeps_every_skip_and_is_exact_there(tmp_path):
 def test_several_jobs_in_one_folder(tmp_path):
     flat = np.ones(5)
     for r in range(2):  # the same script twice, an hour apart, and a job named by its job id
-        _write_rank(tmp_path, f"ddp.rank{r}", r, 2, _rows(flat, flat, set()), started=1000.0)
-        _write_rank(tmp_path, f"ddp.rank{r}-2", r, 2, _rows(flat, flat, set()), started=4600.0)
-        _write_rank(tmp_path, f"node{r}_x", r, 2, _rows(flat, flat, set()), job_id="elastic-42")
-    _write_rank(tmp_path, "single", 0, 1, _rows(flat, flat, set()))
+        write_rank(tmp_path, f"ddp.rank{r}", r, 2, step_rows(flat, flat, set()), started=1000.0)
+        write_rank(tmp_path, f"ddp.rank{r}-2", r, 2, step_rows(flat, flat, set()), started=4600.0)
+        write_rank(tmp_path, f"node{r}_x", r, 2, step_rows(flat, flat, set()), job_id="elastic-42")
+    write_rank(tmp_path, "single", 0, 1, step_rows(flat, flat, set()))
     groups = load_groups(tmp_path)
     assert sorted((g.name, g.ranks) for g in groups) == [("ddp", [0, 1]), ("ddp-2", [0, 1]),
                                                          ("node_x", [0, 1]), ("single", [0])]
