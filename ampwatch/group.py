@@ -67,7 +67,7 @@ class RankFile:
 def _read_rank_file(path: Path) -> RankFile:
     """The run row and step bounds of one file; RunError if it is not a readable run.
 
-    ``COUNT(*)`` walks every page of the steps B-tree, so a truncated file fails here, at load."""
+    Constant time (no table scan): a file shorter than its own header's page count says is truncated."""
     p = check_run_file(path)
     with connect(p) as conn:
         _check_schema(conn, p)
@@ -76,11 +76,21 @@ def _read_rank_file(path: Path) -> RankFile:
         if row is None:
             raise RunError(f"{str(p)!r} has no run row: it is not a complete ampwatch run")
         row = dict(row)
-        n = conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
-        lo, hi = conn.execute("SELECT MIN(step), MAX(step) FROM steps").fetchone()
+        _check_length(conn, p)
+        lo = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0]  # apart: together they scan
+        hi = conn.execute("SELECT MAX(step) FROM steps").fetchone()[0]
+        n = 0 if lo is None else hi - lo + 1  # steps are numbered without gaps
     world = int(row.get("world_size") or 1)
     return RankFile(p, int(row.get("rank") or 0), world, row.get("job_id"), row.get("grad_sharding"),
                     row["name"], float(row.get("started_at") or 0.0), effective_status(row), int(n), lo, hi)
+
+
+def _check_length(conn: sqlite3.Connection, p: Path) -> None:
+    pages, size = conn.execute("PRAGMA page_count").fetchone()[0], conn.execute("PRAGMA page_size").fetchone()[0]
+    # a live run keeps new pages in its -wal file: only a file without one must hold them all
+    if not Path(f"{p}-wal").exists() and p.stat().st_size < pages * size:
+        raise RunError(f"{str(p)!r} is truncated ({p.stat().st_size:,} of {pages * size:,} bytes): "
+                       "the run cannot be read; copy the whole file again")
 
 
 # -- recognising jobs ---------------------------------------------------------------------------------
@@ -313,17 +323,18 @@ class RunGroup:
 
     @cached_property
     def _global(self) -> pd.DataFrame:
-        from .groupdata import combine_ranks
-        s = self._steps
-        return combine_ranks(s, self.grad_sharding, self.world_size)
+        from .groupdata import combine_ranks, core_steps
+        return combine_ranks(core_steps(self), self.grad_sharding, self.world_size)
 
     @property
     def global_steps(self) -> pd.DataFrame:
         """One row per step across the ranks (see :func:`ampwatch.groupdata.combine_ranks` for the columns):
-        the global grad norm rebuilt from the ranks, skipped with ``skipped_agree``, loss mean and spread."""
+        the global grad norm rebuilt from the ranks, skipped with ``skipped_agree``, loss mean and spread.
+
+        Reads five columns of every row of every rank (64 ranks x 100,000 steps: README "Distributed jobs")."""
         return self._global.copy()
 
-    def overview(self, points: int = 2000) -> Any:
+    def overview(self, points: int = 1000) -> Any:
         """The job at a glance, fast: per-rank headline figures and the steps sampled for a chart
         (:func:`ampwatch.groupdata.group_overview`)."""
         from .groupdata import group_overview

@@ -26,14 +26,14 @@ from .schema import STEP_NAN_BITS
 
 _INF = 1.7976931348623157e308  # abs(x) > this  <=>  x is +/-inf (SQLite has no isinf())
 _NAN_BITS = STEP_NAN_BITS["loss"] | STEP_NAN_BITS["grad_norm"]
-_EXCEPTIONAL = f"skipped != 0 OR (nan_mask & {_NAN_BITS}) != 0 OR abs(loss) > {_INF} OR abs(grad_norm) > {_INF}"
-# Skipped / non-finite steps kept one by one up to this many per rank (a run that skips half its
-# steps is sampled like the rest past it).
+# Steps with NaN/Inf events kept one by one up to this many per rank (a run that is NaN for most
+# of its steps is sampled like the rest past it).
 EXACT_LIMIT = 20_000
 # Forward-pass phases: born on the rank whose batch caused it (backward is all-reduced under DDP).
 RANK_LOCAL_PHASES = ("forward", "loss")
 PHASE_ORDER = {"forward": 0, "loss": 1, "backward": 2, "param_grad": 3}
 _STEP_COLS = "step, loss, loss_scale, skipped, grad_norm, nan_mask"
+_MMAP = 1 << 28  # read pages through mmap: a sampled read touches most of a file's pages
 GLOBAL_COLUMNS = ["step", "ranks", "loss_mean", "loss_std", "loss_min", "loss_max", "grad_norm", "skipped",
                   "skipped_agree", "skipped_ranks", "nonfinite_ranks", "loss_scale"]
 
@@ -46,14 +46,31 @@ def _threads(fn: Callable, items: list) -> list:
         return list(pool.map(fn, items))
 
 
-def _steps_frame(rows: list, rank: int) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=["step", "loss", "loss_scale", "skipped", "grad_norm", "nan_mask"])
+def _steps_frame(rows: list, rank: Any) -> pd.DataFrame:
+    """``rank, step, loss, loss_scale, skipped, grad_norm`` from raw step rows (NULL + nan_mask bit -> NaN).
+
+    ``rank`` is one rank or an array with one per row: one frame for many ranks is built once
+    (pandas costs milliseconds per frame, which adds up over 64 ranks)."""
+    a = np.array(rows, dtype=float).reshape(-1, 6)  # None -> nan
+    mask = np.nan_to_num(a[:, 5]).astype(np.int64)
+    df = pd.DataFrame({"rank": np.broadcast_to(np.asarray(rank, dtype=np.int64), (len(a),)).copy(),
+                       "step": a[:, 0].astype(np.int64), "loss": a[:, 1], "loss_scale": a[:, 2],
+                       "skipped": np.nan_to_num(a[:, 3]).astype(bool), "grad_norm": a[:, 4]})
     for col, bit in STEP_NAN_BITS.items():
-        df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
-    df["loss_scale"] = df["loss_scale"].astype(float)
-    df["skipped"] = df["skipped"].astype(bool)
-    df.insert(0, "rank", rank)
-    return df.drop(columns=["nan_mask"])
+        df.loc[(mask & bit) != 0, col] = np.nan
+    return df
+
+
+def _all_rows(path: Any) -> pd.DataFrame:
+    with connect(path) as conn:
+        return _steps_frame(conn.execute(f"SELECT {_STEP_COLS} FROM steps ORDER BY step").fetchall(), 0)
+
+
+def core_steps(group: Any) -> pd.DataFrame:
+    """Every rank's ``rank, step, loss, loss_scale, skipped, grad_norm`` (what :func:`combine_ranks` needs)."""
+    files = list(group.files.values())
+    frames = [df.assign(rank=f.rank) for f, df in zip(files, _threads(_all_rows, [f.path for f in files]))]
+    return pd.concat(frames, ignore_index=True) if frames else _steps_frame([], 0)
 
 
 # -- the per-step combination ---------------------------------------------------------------------------
@@ -126,63 +143,67 @@ class GroupOverview:
     disagree_steps: list[int]
 
 
-def _sample_rank(args: tuple) -> tuple[pd.DataFrame, int, Optional[float], Optional[int]]:
-    rank, path, first, every, limit = args
+def _event_steps(args: tuple) -> tuple[list[int], Optional[float]]:
+    """A rank's steps with NaN/Inf events (from the events_step index) and its last loss."""
+    path = args
     with connect(path) as conn:
-        rows = conn.execute(f"SELECT {_STEP_COLS} FROM steps WHERE (step - ?) % ? = 0 OR {_EXCEPTIONAL}"
-                            f" ORDER BY step LIMIT ?", (first, every, limit)).fetchall()
+        steps = [r[0] for r in conn.execute("SELECT DISTINCT step FROM events ORDER BY step LIMIT ?", (EXACT_LIMIT,))]
         tail = conn.execute("SELECT loss, nan_mask FROM steps ORDER BY step DESC LIMIT 1").fetchone()
-        ev = conn.execute("SELECT MIN(step) FROM events").fetchone()[0]
-    df = _steps_frame(rows, rank)
     last_loss = None if tail is None else (math.nan if tail[1] & STEP_NAN_BITS["loss"] else tail[0])
-    return df, int(df["skipped"].sum()), last_loss, ev
+    return steps, last_loss
 
 
-def _rows_at(args: tuple) -> pd.DataFrame:
-    rank, path, wanted = args
+def _rows_at(args: tuple) -> list:
+    path, wanted = args
     with connect(path) as conn:
-        rows = conn.execute(f"SELECT {_STEP_COLS} FROM steps WHERE step IN (SELECT value FROM json_each(?))"
-                            " ORDER BY step", (json.dumps(wanted),)).fetchall()
-    return _steps_frame(rows, rank)
+        conn.execute(f"PRAGMA mmap_size = {_MMAP}")
+        return conn.execute(f"SELECT {_STEP_COLS} FROM steps WHERE step IN (SELECT value FROM json_each(?))"
+                            " ORDER BY step", (wanted,)).fetchall()
 
 
-def group_overview(group: Any, points: int = 2000) -> GroupOverview:
+def group_overview(group: Any, points: int = 1000) -> GroupOverview:
     """Per-rank headline figures and the sampled per-step view of a :class:`~ampwatch.group.RunGroup`.
 
-    About ``points`` grid steps plus every exceptional step; each file is scanned once inside
-    SQLite, on a few threads. 64 ranks x 100,000 steps: see README "Distributed jobs"."""
+    The steps drawn: every ``every``-th step (about ``points``) and every step at which any rank
+    recorded a NaN/Inf event. The recorder writes an event for every non-finite gradient or loss,
+    so every skipped step is among them (under FSDP the ranks whose own shard stayed finite skip
+    too, and are read at the steps the others flagged). Only primary-key and index lookups: no
+    file is scanned, so the cost grows with ranks x points, not with steps."""
     files = list(group.files.values())
     firsts = [f.first_step for f in files if f.first_step is not None]
     lasts = [f.last_step for f in files if f.last_step is not None]
-    first = min(firsts) if firsts else 0
-    every = max(1, math.ceil((max(lasts) - first + 1) / points)) if lasts else 1
-    limit = points + 1 + EXACT_LIMIT
-    sampled = _threads(_sample_rank, [(f.rank, f.path, first, every, limit) for f in files])
-    frames = [s[0] for s in sampled]
-    exceptional = set()
-    for df in frames:
-        off_grid = (df["step"] - first) % every != 0
-        exceptional.update(df.loc[off_grid, "step"].tolist())
-    extra = _threads(_rows_at, [(f.rank, f.path, sorted(exceptional - set(df["step"].tolist())))
-                                for f, df in zip(files, frames)]) if exceptional else []
-    steps = pd.concat(frames + [e for e in extra if len(e)], ignore_index=True) if frames else \
-        pd.DataFrame(columns=["rank", "step", "loss", "loss_scale", "skipped", "grad_norm"])
-    steps = steps.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+    if not lasts:
+        empty = pd.DataFrame(columns=["rank", "step", "loss", "loss_scale", "skipped", "grad_norm"])
+        return GroupOverview(_rank_table(files, empty, [([], None)] * len(files)), empty, combine_ranks(empty, group.grad_sharding,
+                                                                              group.world_size), 1, [])
+    first, last = min(firsts), max(lasts)
+    every = max(1, math.ceil((last - first + 1) / points))
+    marked = _threads(_event_steps, [f.path for f in files])
+    exceptional = sorted(set().union(*(set(m[0]) for m in marked)))
+    wanted = json.dumps(sorted(set(range(first, last + 1, every)) | set(exceptional)))
+    rows = _threads(_rows_at, [(f.path, wanted) for f in files])
+    steps = _steps_frame([r for part in rows for r in part], np.repeat([f.rank for f in files], [len(r) for r in rows]))
     global_steps = combine_ranks(steps, group.grad_sharding, group.world_size)
-    ranks = pd.DataFrame([{"rank": f.rank, "file": f.path.name, "status": f.status, "steps": f.steps,
-                           "skipped": sk, "first_nonfinite_step": _first_bad(df, ev), "last_loss": last}
-                          for f, (df, sk, last, ev) in zip(files, sampled)],
-                         columns=["rank", "file", "status", "steps", "skipped", "first_nonfinite_step", "last_loss"])
     disagree = global_steps.loc[~global_steps["skipped_agree"].astype(bool), "step"].astype(int).tolist()
-    return GroupOverview(ranks, steps, global_steps, every, disagree)
+    return GroupOverview(_rank_table(files, steps, marked), steps, global_steps, every, disagree)
 
 
-def _first_bad(df: pd.DataFrame, event_step: Optional[int]) -> Optional[int]:
+def _rank_table(files: list, steps: pd.DataFrame, marked: list) -> pd.DataFrame:
+    cols = ["rank", "file", "status", "steps", "skipped", "first_nonfinite_step", "last_loss"]
+    rows = []
+    by_rank = dict(tuple(steps.groupby("rank"))) if len(steps) else {}
+    for f, (events, last_loss) in zip(files, marked):
+        df = by_rank.get(f.rank, steps.iloc[:0])
+        rows.append({"rank": f.rank, "file": f.path.name, "status": f.status, "steps": f.steps,
+                     "skipped": int(df["skipped"].sum()), "first_nonfinite_step": _first_bad(df, events),
+                     "last_loss": last_loss})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _first_bad(df: pd.DataFrame, events: list[int]) -> Optional[int]:
     loss_logged = df["loss"].notna().any()
     bad = df["step"][(~np.isfinite(df["loss"]) & loss_logged) | np.isinf(df["grad_norm"])]
-    found = [int(bad.min())] if len(bad) else []
-    if event_step is not None:
-        found.append(int(event_step))
+    found = ([int(bad.min())] if len(bad) else []) + events[:1]
     return min(found) if found else None
 
 
@@ -225,15 +246,16 @@ def _first_step(args: tuple) -> Optional[int]:
                             f" OR abs(loss) > {_INF} OR abs(grad_norm) > {_INF}").fetchone()[0]
 
 
-def _events_at(args: tuple) -> pd.DataFrame:
+_EVENT_COLS = ["rank", "step", "phase", "module", "kind", "count", "amax", "dtype", "origin", "micro_batch"]
+
+
+def _events_at(args: tuple) -> list:
     rank, path, step, phases = args
     with connect(path) as conn:
-        where = "step = ?" if phases is None else \
-            f"step = ? AND phase IN ({', '.join('?' * len(phases))})"
-        df = pd.read_sql_query(f"SELECT step, phase, module, kind, count, amax, dtype, origin, {_event_columns(conn)}"
-                               f" FROM events WHERE {where} ORDER BY id", conn, params=(step, *(phases or ())))
-    df.insert(0, "rank", rank)
-    return df
+        where = "step = ?" if phases is None else f"step = ? AND phase IN ({', '.join('?' * len(phases))})"
+        return conn.execute(f"SELECT {int(rank)}, step, phase, module, kind, count, amax, dtype, origin, "
+                            f"{_event_columns(conn)} FROM events WHERE {where} ORDER BY id",
+                            (step, *(phases or ()))).fetchall()
 
 
 def _ordered(ev: pd.DataFrame) -> pd.DataFrame:
@@ -262,8 +284,10 @@ def first_nonfinite(group: Any, phases: Optional[tuple] = None) -> Optional[Firs
         return None
     step = min(s for s, _ in found)
     at = [f for s, f in found if s == step]
-    ev = pd.concat(_threads(_events_at, [(f.rank, f.path, step, phases) for f in at]), ignore_index=True)
+    parts = _threads(_events_at, [(f.rank, f.path, step, phases) for f in at])
+    ev = pd.DataFrame([r for part in parts for r in part], columns=_EVENT_COLS)
     ev["origin"] = ev["origin"].astype(bool)
+    ev["amax"] = ev["amax"].astype(float)
     forward = sorted(set(ev.loc[ev["phase"].isin(RANK_LOCAL_PHASES), "rank"].astype(int)))
     ranks = sorted(f.rank for f in at)
     if not len(ev):  # found in the steps table only: no module to name
@@ -292,5 +316,5 @@ def phase_steps(group: Any, phases: tuple = RANK_LOCAL_PHASES) -> dict[int, list
     return dict(zip([f.rank for f in files], _threads(one, files)))
 
 
-__all__ = ["combine_ranks", "group_overview", "first_nonfinite", "phase_steps", "GroupOverview", "FirstNonfinite",
+__all__ = ["combine_ranks", "core_steps", "group_overview", "first_nonfinite", "phase_steps", "GroupOverview", "FirstNonfinite",
            "RANK_LOCAL_PHASES", "GLOBAL_COLUMNS", "EXACT_LIMIT"]

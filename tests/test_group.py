@@ -156,8 +156,9 @@ def test_sharded_global_norm_is_the_root_of_summed_squares(tmp_path):
 def test_overview_samples_but_keeps_every_skip_and_is_exact_there(tmp_path):
     rng = np.random.default_rng(1)
     n, skips = 1000, {3, 333, 334, 999}
-    for r in range(2):
-        write_rank(tmp_path, f"job.rank{r}", r, 2, step_rows(rng.random(n), rng.random(n), skips))
+    for r in range(2):  # the recorder writes a param_grad event for every non-finite gradient: each skip
+        events = tuple((s, "param_grad", "w", "inf", 1, None, "float32", 0, None) for s in sorted(skips))
+        write_rank(tmp_path, f"job.rank{r}", r, 2, step_rows(rng.random(n), rng.random(n), skips), events=events)
     group = ampwatch.load_group(tmp_path)
     ov = group.overview(points=50)
     full = group.global_steps.set_index("step")
