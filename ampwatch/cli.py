@@ -221,7 +221,8 @@ def _doctor_folder(path: str, as_json: bool, failing: set) -> None:
             continue
         try:
             if group.world_size > 1 or len(group.paths) > 1:
-                job, per_rank = diagnose_group(group), diagnose_ranks(group)
+                job = diagnose_group(group)
+                per_rank = diagnose_ranks(group, job)
                 findings = job + [f for f, _ in per_rank]
                 texts.append(format_job_doctor(group, job, per_rank))
                 payload.append(job_doctor_json(group, job, per_rank))

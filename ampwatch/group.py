@@ -22,6 +22,7 @@ per-step view is :meth:`RunGroup.overview` (:mod:`ampwatch.groupdata`); ``steps`
 from __future__ import annotations
 
 import glob as _glob
+import math
 import os
 import re
 import sqlite3
@@ -33,8 +34,12 @@ from typing import Any, Optional
 import pandas as pd
 
 from .errors import RunError
+from .schema import STEP_NAN_BITS
 from .reader import RUN_SUFFIXES, Run, _check_schema, check_run_file, connect, effective_status
 
+# Steps with NaN/Inf events kept one by one up to this many per rank (a run that is NaN for most
+# of its steps is sampled like the rest past it).
+EXACT_LIMIT = 20_000
 # Ranks of one job start within seconds of each other (they meet at the rendezvous); ten minutes
 # tolerates slow nodes and still separates two runs of the same script one after the other.
 JOB_START_WINDOW_S = 600.0
@@ -62,6 +67,8 @@ class RankFile:
     steps: int
     first_step: Optional[int]
     last_step: Optional[int]
+    event_steps: list[int]  # steps with NaN/Inf events (from the events_step index), up to EXACT_LIMIT
+    last_loss: Optional[float]
 
 
 def _read_rank_file(path: Path) -> RankFile:
@@ -80,9 +87,14 @@ def _read_rank_file(path: Path) -> RankFile:
         lo = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0]  # apart: together they scan
         hi = conn.execute("SELECT MAX(step) FROM steps").fetchone()[0]
         n = 0 if lo is None else hi - lo + 1  # steps are numbered without gaps
+        events = [r[0] for r in conn.execute("SELECT DISTINCT step FROM events ORDER BY step LIMIT ?",
+                                             (EXACT_LIMIT,))]
+        tail = conn.execute("SELECT loss, nan_mask FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+    last_loss = None if tail is None else (math.nan if tail[1] & STEP_NAN_BITS["loss"] else tail[0])
     world = int(row.get("world_size") or 1)
     return RankFile(p, int(row.get("rank") or 0), world, row.get("job_id"), row.get("grad_sharding"),
-                    row["name"], float(row.get("started_at") or 0.0), effective_status(row), int(n), lo, hi)
+                    row["name"], float(row.get("started_at") or 0.0), effective_status(row), int(n), lo, hi,
+                    events, last_loss)
 
 
 def _check_length(conn: sqlite3.Connection, p: Path) -> None:
@@ -165,6 +177,20 @@ def _expand(folder_or_glob: Any) -> list[Path]:
     raise RunError(f"no folder or run file at {text!r}: pass a folder of rank files, a glob or one file")
 
 
+def _read_one(path: Path) -> Any:
+    try:
+        return _read_rank_file(path)
+    except RunError as exc:
+        return str(exc)
+    except sqlite3.DatabaseError as exc:
+        return f"{str(path)!r} is corrupt or truncated ({exc})"
+
+
+def _read_all(paths: list[Path], threads: Any) -> tuple[list[Path], list[Any]]:
+    """Each file's :class:`RankFile`, or the reason it cannot be read (as a str), on a few threads."""
+    return paths, threads(_read_one, paths)
+
+
 def load_groups(folder_or_glob: Any) -> list["RunGroup"]:
     """Every job in a folder (or matched by a glob), in file-name order; single-process runs are groups of one.
 
@@ -175,14 +201,10 @@ def load_groups(folder_or_glob: Any) -> list["RunGroup"]:
     :param folder_or_glob: a folder (its run files, not sub-folders), a glob such as
         ``'runs/ddp.rank*.sqlite'``, or one run file.
     """
+    from .groupdata import _threads
     read, bad = [], []
-    for path in _expand(folder_or_glob):
-        try:
-            read.append(_read_rank_file(path))
-        except RunError as exc:
-            bad.append((path, str(exc)))
-        except sqlite3.DatabaseError as exc:
-            bad.append((path, f"{str(path)!r} is corrupt or truncated ({exc})"))
+    for path, got in zip(*_read_all(_expand(folder_or_glob), _threads)):
+        (bad if isinstance(got, str) else read).append((path, got) if isinstance(got, str) else got)
     groups = [RunGroup(files) for files in _group_files(read)]
     for path, reason in bad:
         owner = _owner(groups, path)
@@ -334,7 +356,7 @@ class RunGroup:
         Reads five columns of every row of every rank (64 ranks x 100,000 steps: README "Distributed jobs")."""
         return self._global.copy()
 
-    def overview(self, points: int = 1000) -> Any:
+    def overview(self, points: Optional[int] = None) -> Any:
         """The job at a glance, fast: per-rank headline figures and the steps sampled for a chart
         (:func:`ampwatch.groupdata.group_overview`)."""
         from .groupdata import group_overview

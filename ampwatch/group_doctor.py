@@ -127,12 +127,18 @@ def diagnose_group(group: RunGroup, overview: Optional[Any] = None) -> list[Find
     return sort_findings(rank_origin(group) + skip_disagreement(group, overview) + missing_ranks(group))
 
 
-def diagnose_ranks(group: RunGroup) -> list[tuple[Finding, list[int]]]:
+def diagnose_ranks(group: RunGroup, job: Optional[list[Finding]] = None) -> list[tuple[Finding, list[int]]]:
     """The single-run doctor on every readable rank, merged: ``(finding, ranks)`` once per
-    ``(id, steps)`` shared by several ranks (the first rank's wording is kept)."""
+    ``(id, steps)`` shared by several ranks (the first rank's wording is kept).
+
+    :param job: the job's findings (:func:`diagnose_group`): a clean rank reads a skip caused by
+        another rank's bad batch as warm-up; with a ``rank-origin`` at that step it is not reported."""
+    origins = [f.steps[0] for f in job or [] if f.id == "rank-origin"]
     merged: dict[tuple, tuple[Finding, list[int]]] = {}
     for rank, run in group.runs.items():
         for f in diagnose(run):
+            if f.id == "warmup-skips" and any(f.steps[0] <= s <= f.steps[1] for s in origins):
+                continue
             key = (f.id, f.steps)
             if key in merged:
                 merged[key][1].append(rank)

@@ -21,14 +21,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pandas as pd
 
+from .group import EXACT_LIMIT  # noqa: F401 (re-exported)
 from .reader import connect
 from .schema import STEP_NAN_BITS
 
 _INF = 1.7976931348623157e308  # abs(x) > this  <=>  x is +/-inf (SQLite has no isinf())
 _NAN_BITS = STEP_NAN_BITS["loss"] | STEP_NAN_BITS["grad_norm"]
-# Steps with NaN/Inf events kept one by one up to this many per rank (a run that is NaN for most
-# of its steps is sampled like the rest past it).
-EXACT_LIMIT = 20_000
 # Forward-pass phases: born on the rank whose batch caused it (backward is all-reduced under DDP).
 RANK_LOCAL_PHASES = ("forward", "loss")
 PHASE_ORDER = {"forward": 0, "loss": 1, "backward": 2, "param_grad": 3}
@@ -143,16 +141,6 @@ class GroupOverview:
     disagree_steps: list[int]
 
 
-def _event_steps(args: tuple) -> tuple[list[int], Optional[float]]:
-    """A rank's steps with NaN/Inf events (from the events_step index) and its last loss."""
-    path = args
-    with connect(path) as conn:
-        steps = [r[0] for r in conn.execute("SELECT DISTINCT step FROM events ORDER BY step LIMIT ?", (EXACT_LIMIT,))]
-        tail = conn.execute("SELECT loss, nan_mask FROM steps ORDER BY step DESC LIMIT 1").fetchone()
-    last_loss = None if tail is None else (math.nan if tail[1] & STEP_NAN_BITS["loss"] else tail[0])
-    return steps, last_loss
-
-
 def _rows_at(args: tuple) -> list:
     path, wanted = args
     with connect(path) as conn:
@@ -161,15 +149,26 @@ def _rows_at(args: tuple) -> list:
                             " ORDER BY step", (wanted,)).fetchall()
 
 
-def group_overview(group: Any, points: int = 1000) -> GroupOverview:
+# Points drawn per rank: the chart draws ranks x points per series, and each point costs a page
+# read per rank file (the sampled reads dominate the overview's time, README "Distributed jobs").
+POINTS_BUDGET, POINTS_MIN, POINTS_MAX = 32_000, 250, 1000
+
+
+def default_points(ranks: int) -> int:
+    """Grid steps per rank for an overview of ``ranks`` ranks: 1,000 up to 32 ranks, 500 at 64."""
+    return max(POINTS_MIN, min(POINTS_MAX, POINTS_BUDGET // max(1, ranks)))
+
+
+def group_overview(group: Any, points: Optional[int] = None) -> GroupOverview:
     """Per-rank headline figures and the sampled per-step view of a :class:`~ampwatch.group.RunGroup`.
 
     The steps drawn: every ``every``-th step (about ``points``) and every step at which any rank
-    recorded a NaN/Inf event. The recorder writes an event for every non-finite gradient or loss,
+    recorded a NaN/Inf event (``points`` default: :func:`default_points`). The recorder writes an event for every non-finite gradient or loss,
     so every skipped step is among them (under FSDP the ranks whose own shard stayed finite skip
     too, and are read at the steps the others flagged). Only primary-key and index lookups: no
     file is scanned, so the cost grows with ranks x points, not with steps."""
     files = list(group.files.values())
+    points = points or default_points(len(files))
     firsts = [f.first_step for f in files if f.first_step is not None]
     lasts = [f.last_step for f in files if f.last_step is not None]
     if not lasts:
@@ -178,8 +177,8 @@ def group_overview(group: Any, points: int = 1000) -> GroupOverview:
                                                                               group.world_size), 1, [])
     first, last = min(firsts), max(lasts)
     every = max(1, math.ceil((last - first + 1) / points))
-    marked = _threads(_event_steps, [f.path for f in files])
-    exceptional = sorted(set().union(*(set(m[0]) for m in marked)))
+    marked = [(f.event_steps, f.last_loss) for f in files]
+    exceptional = sorted(set().union(*(set(f.event_steps) for f in files)))
     wanted = json.dumps(sorted(set(range(first, last + 1, every)) | set(exceptional)))
     rows = _threads(_rows_at, [(f.path, wanted) for f in files])
     steps = _steps_frame([r for part in rows for r in part], np.repeat([f.rank for f in files], [len(r) for r in rows]))
@@ -189,22 +188,19 @@ def group_overview(group: Any, points: int = 1000) -> GroupOverview:
 
 
 def _rank_table(files: list, steps: pd.DataFrame, marked: list) -> pd.DataFrame:
+    """Per-rank figures from the sampled rows, with one vectorised pass (not a frame per rank)."""
     cols = ["rank", "file", "status", "steps", "skipped", "first_nonfinite_step", "last_loss"]
+    logged = steps.groupby("rank")["loss"].transform(lambda v: v.notna().any()) if len(steps) else steps["loss"]
+    bad = steps[(~np.isfinite(steps["loss"]) & logged.astype(bool)) | np.isinf(steps["grad_norm"])]
+    first_bad = bad.groupby("rank")["step"].min().to_dict()
+    skipped = steps.groupby("rank")["skipped"].sum().to_dict()
     rows = []
-    by_rank = dict(tuple(steps.groupby("rank"))) if len(steps) else {}
     for f, (events, last_loss) in zip(files, marked):
-        df = by_rank.get(f.rank, steps.iloc[:0])
+        found = [v for v in (first_bad.get(f.rank), events[0] if events else None) if v is not None]
         rows.append({"rank": f.rank, "file": f.path.name, "status": f.status, "steps": f.steps,
-                     "skipped": int(df["skipped"].sum()), "first_nonfinite_step": _first_bad(df, events),
+                     "skipped": int(skipped.get(f.rank, 0)), "first_nonfinite_step": int(min(found)) if found else None,
                      "last_loss": last_loss})
     return pd.DataFrame(rows, columns=cols)
-
-
-def _first_bad(df: pd.DataFrame, events: list[int]) -> Optional[int]:
-    loss_logged = df["loss"].notna().any()
-    bad = df["step"][(~np.isfinite(df["loss"]) & loss_logged) | np.isinf(df["grad_norm"])]
-    found = ([int(bad.min())] if len(bad) else []) + events[:1]
-    return min(found) if found else None
 
 
 # -- where NaN/Inf appeared first ------------------------------------------------------------------------
