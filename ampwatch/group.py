@@ -15,7 +15,8 @@ A rank whose file is absent is in :attr:`RunGroup.missing`; a file that cannot b
 corrupt, not a run) is in :attr:`RunGroup.unreadable` with the reason, attributed to a rank by its
 file name where the name says which. Neither is fatal.
 
-Cost: opening a group reads each file's run row and step count (milliseconds per file). The fast
+Cost: opening a group reads each file's run row, step bounds, last loss and the steps with NaN/Inf
+events (index lookups only: milliseconds per file, on a few threads). The fast
 per-step view is :meth:`RunGroup.overview` (:mod:`ampwatch.groupdata`); ``steps`` and
 ``global_steps`` read every row of every rank.
 """
@@ -26,10 +27,11 @@ import math
 import os
 import re
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 
@@ -186,9 +188,12 @@ def _read_one(path: Path) -> Any:
         return f"{str(path)!r} is corrupt or truncated ({exc})"
 
 
-def _read_all(paths: list[Path], threads: Any) -> tuple[list[Path], list[Any]]:
-    """Each file's :class:`RankFile`, or the reason it cannot be read (as a str), on a few threads."""
-    return paths, threads(_read_one, paths)
+def _threads(fn: Callable, items: list) -> list:
+    """``map(fn, items)`` on a few threads: sqlite3 releases the GIL while SQLite works."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
 def load_groups(folder_or_glob: Any) -> list["RunGroup"]:
@@ -201,10 +206,13 @@ def load_groups(folder_or_glob: Any) -> list["RunGroup"]:
     :param folder_or_glob: a folder (its run files, not sub-folders), a glob such as
         ``'runs/ddp.rank*.sqlite'``, or one run file.
     """
-    from .groupdata import _threads
+    paths = _expand(folder_or_glob)
     read, bad = [], []
-    for path, got in zip(*_read_all(_expand(folder_or_glob), _threads)):
-        (bad if isinstance(got, str) else read).append((path, got) if isinstance(got, str) else got)
+    for path, got in zip(paths, _threads(_read_one, paths)):  # a RankFile, or why not (a str)
+        if isinstance(got, str):
+            bad.append((path, got))
+        else:
+            read.append(got)
     groups = [RunGroup(files) for files in _group_files(read)]
     for path, reason in bad:
         owner = _owner(groups, path)

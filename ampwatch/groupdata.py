@@ -4,24 +4,23 @@ Pure reading (SQLite, numpy, pandas); no torch. :class:`ampwatch.group.RunGroup`
 
 Why the overview samples: a 64-rank x 100,000-step job holds 6.4M step rows, and turning SQLite rows
 into Python objects costs about a microsecond each, so reading them all takes seconds whatever is
-done with them. The overview instead asks each rank's file, inside SQLite, for every k-th step
-(the same steps on every rank, so the global numbers there are exact) plus every skipped or
-non-finite step of any rank, and then the other ranks' rows at those steps: a skip or a NaN is
-never sampled away. ``RunGroup.global_steps`` is the full-resolution table.
+done with them. The overview instead reads, from every rank's file, the same grid steps (so the
+global numbers there are exact) plus every step at which any rank recorded a NaN/Inf event, by
+primary-key lookups: a skip or a NaN is never sampled away. ``RunGroup.global_steps`` is the
+full-resolution table.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
 
-from .group import EXACT_LIMIT  # noqa: F401 (re-exported)
+from .group import EXACT_LIMIT, _threads
 from .reader import connect
 from .schema import STEP_NAN_BITS
 
@@ -34,14 +33,6 @@ _STEP_COLS = "step, loss, loss_scale, skipped, grad_norm, nan_mask"
 _MMAP = 1 << 28  # read pages through mmap: a sampled read touches most of a file's pages
 GLOBAL_COLUMNS = ["step", "ranks", "loss_mean", "loss_std", "loss_min", "loss_max", "grad_norm", "skipped",
                   "skipped_agree", "skipped_ranks", "nonfinite_ranks", "loss_scale"]
-
-
-def _threads(fn: Callable, items: list) -> list:
-    """``map(fn, items)`` on a few threads: sqlite3 releases the GIL while SQLite works."""
-    if len(items) <= 1:
-        return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(items))) as pool:
-        return list(pool.map(fn, items))
 
 
 def _steps_frame(rows: list, rank: Any) -> pd.DataFrame:
@@ -129,8 +120,8 @@ class GroupOverview:
 
     :ivar ranks: one row per readable rank: ``rank, file, status, steps, skipped, first_nonfinite_step,
         last_loss``.
-    :ivar steps: per-rank rows at the sampled steps (every ``every``-th step, plus every step that
-        some rank skipped or saw NaN/inf at), same columns as ``RunGroup.steps``' core.
+    :ivar steps: per-rank rows ``rank, step, loss, loss_scale, skipped, grad_norm`` at the sampled
+        steps (every ``every``-th step, plus every step at which some rank recorded a NaN/Inf event).
     :ivar global_steps: :func:`combine_ranks` of ``steps``: exact at every sampled step.
     :ivar disagree_steps: steps where the ranks did not all skip or all step (exact).
     """
