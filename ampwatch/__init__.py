@@ -50,6 +50,16 @@ def diagnose(run: Any) -> list:
     return _diagnose(run if not isinstance(run, (str, bytes)) and hasattr(type(run), "steps") else load(run))
 
 
+def load_group(folder_or_glob: Any, job: Optional[str] = None) -> "RunGroup":
+    """The ranks of one distributed job (a folder of rank files, a glob, or one file) as a
+    :class:`RunGroup`: ``steps`` (per rank), ``global_steps`` (across ranks), ``first_nonfinite()``,
+    ``missing`` and ``unreadable`` ranks. Several jobs in the folder: pick one with ``job=``
+    (a :class:`RunError` lists them). See :func:`ampwatch.group.load_group`.
+    """
+    from .group import load_group as _load_group
+    return _load_group(folder_or_glob, job)
+
+
 def __getattr__(name: str) -> Any:
     # Lazy: `import ampwatch` stays light (no pandas) for the training box.
     if name == "Watch":
@@ -58,10 +68,14 @@ def __getattr__(name: str) -> Any:
     if name == "Run":
         from .reader import Run
         return Run
+    if name == "RunGroup":
+        from .group import RunGroup
+        return RunGroup
     if name == "Finding":
         from .doctor import Finding
         return Finding
     raise AttributeError(f"module 'ampwatch' has no attribute {name!r}")
 
 
-__all__ = ["attach", "load", "diagnose", "Watch", "Run", "RunError", "Finding", "__version__"]
+__all__ = ["attach", "load", "load_group", "diagnose", "Watch", "Run", "RunGroup", "RunError", "Finding",
+           "__version__"]

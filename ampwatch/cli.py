@@ -53,22 +53,51 @@ def cli() -> None:
 def summary(path: str) -> None:
     """Headline figures of one run: steps, skips, loss, scale, grad norms.
 
+    PATH may be a folder: the rank files of a distributed job are reported once, as a job (figures
+    across ranks, per-rank lines where the ranks differ); other runs one by one.
+
     \b
     Example:
         ampwatch summary sample_runs/overflow_storm.sqlite
+        ampwatch summary runs/ddp_job/
     """
     from .summary import summarize
-    s = summarize(_load(path))
-    click.echo(f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})")
-    click.echo(f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)")
-    click.echo(f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}")
-    click.echo(f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}")
-    click.echo(f"nonfinite first at step {_fmt(s['first_nonfinite_step'])}  "
-               f"(loss first NaN/inf at step {_fmt(s['first_nonfinite_loss_step'])})")
-    click.echo(f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
-               f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}")
-    for i, line in enumerate(s.get("error_tail") or []):
-        click.echo(f"{'crashed' if i == 0 else '':<8} {line}")
+    if not Path(path).is_dir():
+        _print_summary(summarize(_load(path)))
+        return
+    from .group import load_groups
+    from .groupreport import format_job_summary
+    status, blocks = 0, []
+    for group in load_groups(path):
+        if not group.paths:  # a file that is no run and belongs to no job
+            status = 2
+            for u in group.unreadable:
+                click.echo(f"ampwatch: {u.reason}", err=True)
+            continue
+        status = 2 if group.unreadable else status
+        if group.world_size > 1 or len(group.paths) > 1:
+            blocks.append(format_job_summary(group))
+        else:
+            blocks.append(_summary_text(summarize(_load(str(next(iter(group.paths.values())))))))
+    click.echo("\n\n".join(blocks))
+    sys.exit(status)
+
+
+def _summary_text(s: dict) -> str:
+    return "\n".join([
+        f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})",
+        f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)",
+        f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}",
+        f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}",
+        f"nonfinite first at step {_fmt(s['first_nonfinite_step'])}  "
+        f"(loss first NaN/inf at step {_fmt(s['first_nonfinite_loss_step'])})",
+        f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
+        f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}"]
+        + [f"{'crashed' if i == 0 else '':<8} {line}" for i, line in enumerate(s.get("error_tail") or [])])
+
+
+def _print_summary(s: dict) -> None:
+    click.echo(_summary_text(s))
 
 
 @cli.command(name="ls")
@@ -159,6 +188,9 @@ def demo(out: str, only: tuple) -> None:
 def doctor(path: str, as_json: bool, fail_on: str) -> None:
     """Diagnose a run (or every run in a folder): findings with evidence and advice.
 
+    In a folder, the rank files of a distributed job are diagnosed together and reported once:
+    which rank's batch went non-finite first, then the per-rank findings, each once with its ranks.
+
     Exit status: 0 no finding at --fail-on severity (default: error), 1 at least one,
     2 unreadable input (in a folder: any unreadable run).
 
@@ -167,31 +199,56 @@ def doctor(path: str, as_json: bool, fail_on: str) -> None:
         ampwatch doctor sample_runs/diverged.sqlite
         ampwatch doctor sample_runs --json
     """
-    from .doctor import SEVERITIES, diagnose, format_report, health, health_line
-    from .reader import find_runs
-    folder = Path(path).is_dir()
-    paths = find_runs(path) if folder else [Path(path)]
+    from .doctor import SEVERITIES, health
     failing = set() if fail_on == "never" else set(SEVERITIES[:SEVERITIES.index(fail_on) + 1])
-    reports, status = [], 0
-    for p in paths:
+    if Path(path).is_dir():
+        _doctor_folder(path, as_json, failing)
+    from .doctor import diagnose, format_report
+    run = _load(path)
+    findings = diagnose(run)
+    status = 1 if any(f.severity in failing for f in findings) else 0
+    if as_json:
+        click.echo(json.dumps(_json_report(run, findings, health(findings)), indent=2))
+    else:
+        click.echo(format_report(run, findings))
+    sys.exit(status)
+
+
+def _doctor_folder(path: str, as_json: bool, failing: set) -> None:
+    """Every run in a folder; the rank files of a job are diagnosed together and reported once."""
+    from .doctor import diagnose, format_report, health, health_line
+    from .group import load_groups
+    from .group_doctor import diagnose_group, diagnose_ranks
+    from .groupreport import format_job_doctor, job_doctor_json
+    texts, payload, heads, status = [], [], [], 0
+    for group in load_groups(path):
+        for u in group.unreadable:  # the other runs are still diagnosed
+            click.echo(f"ampwatch: {u.reason}", err=True)
+            status = 2
+        if not group.paths:
+            continue
         try:
-            run = _load(str(p))
-            findings = diagnose(run)
+            if group.world_size > 1 or len(group.paths) > 1:
+                job = diagnose_group(group)
+                per_rank = diagnose_ranks(group, job)
+                findings = job + [f for f, _ in per_rank]
+                heads.append(f"{group.name:<28} {health(findings)}")
+                texts.append(format_job_doctor(group, job, per_rank))
+                payload.append(dict(job_doctor_json(group, job, per_rank), health=health(findings)))
+            else:
+                run = _load(str(next(iter(group.paths.values()))))
+                findings = diagnose(run)
+                heads.append(health_line(run, findings))
+                texts.append(format_report(run, findings))
+                payload.append(_json_report(run, findings, health(findings)))
         except RunError as exc:
-            if not folder:
-                raise
-            click.echo(f"ampwatch: {exc}", err=True)  # the other runs are still diagnosed
+            click.echo(f"ampwatch: {exc}", err=True)
             status = 2
             continue
         if any(f.severity in failing for f in findings):
             status = max(status, 1)
-        reports.append((run, findings))
-    if as_json:
-        payload = [_json_report(r, fs, health(fs)) for r, fs in reports]
-        click.echo(json.dumps(payload if folder else payload[0], indent=2))
-    else:
-        head = "\n".join(health_line(r, fs) for r, fs in reports) + "\n\n" if folder else ""
-        click.echo(head + ("\n\n" + "-" * 100 + "\n").join(format_report(r, fs) for r, fs in reports))
+    head = "\n".join(heads) + "\n\n" if heads else ""
+    click.echo(json.dumps(payload, indent=2) if as_json else head + ("\n\n" + "-" * 100 + "\n").join(texts))
     sys.exit(status)
 
 

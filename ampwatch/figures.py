@@ -181,3 +181,63 @@ def compare_figure(runs: Mapping[str, Any], skip_rates: Mapping[str, pd.DataFram
     fig.update_layout(height=820, hovermode="x unified", uirevision="compare",
                       margin={"l": 60, "r": 20, "t": 40, "b": 40}, legend={"orientation": "h", "y": -0.06})
     return fig
+
+
+RANK_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def ranks_figure(steps: pd.DataFrame, global_steps: pd.DataFrame, first: Optional[Mapping[str, Any]] = None,
+                 selected: Optional[int] = None, height: int = 720) -> go.Figure:
+    """Per-rank loss and grad norm on one step axis, the global grad norm, skipped agreement, and the
+    first rank to go non-finite (issue 12).
+
+    :param steps: per-rank rows ``rank, step, loss, grad_norm`` (``GroupOverview.steps``).
+    :param global_steps: ``step, grad_norm, skipped, skipped_agree, skipped_ranks, ranks``.
+    :param first: ``{"step", "rank", "module", "phase"}`` of the first NaN/Inf (marked with a star).
+    :param selected: a rank drawn thicker and on top; the others fade.
+
+    Each per-rank trace carries its rank in ``customdata`` and ``meta``, so a click on the chart
+    says which rank was picked.
+    """
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.42, 0.38, 0.2],
+                        subplot_titles=("loss per rank", "grad norm per rank (black: global)", "skipped steps"))
+    ranks = sorted(int(r) for r in steps["rank"].unique()) if len(steps) else []
+    for i, rank in enumerate(ranks):
+        d = steps[steps["rank"] == rank]
+        color = RANK_PALETTE[i % len(RANK_PALETTE)]
+        faded = selected is not None and rank != selected
+        line = {"width": 2.5 if rank == selected else 1, "color": "#c8c8c8" if faded else color}
+        for row, col in ((1, "loss"), (2, "grad_norm")):
+            fig.add_trace(go.Scatter(x=d["step"], y=d[col], name=f"rank {rank}", legendgroup=f"rank {rank}",
+                                     showlegend=row == 1, mode="lines+markers", marker={"size": 3},
+                                     line=line, customdata=np.full(len(d), rank), meta=rank,
+                                     hovertemplate=f"rank {rank}<br>step %{{x}}<br>{col} %{{y:.4g}}<extra></extra>"),
+                          row, 1)
+    g = global_steps
+    if len(g):
+        fig.add_trace(go.Scatter(x=g["step"], y=g["grad_norm"], name="global grad norm", mode="lines",
+                                 line={"width": 1.5, "color": NONFINITE_COLOR}), 2, 1)
+        skipped = g[g["skipped"].astype(bool)]
+        agree, disagree = skipped[skipped["skipped_agree"].astype(bool)], skipped[~skipped["skipped_agree"].astype(bool)]
+        for d, name, color, symbol in ((agree, "skipped on every rank", SKIP_COLOR, "x"),
+                                       (disagree, "ranks disagree", "#ff00ff", "diamond")):
+            if len(d):
+                fig.add_trace(go.Scatter(x=d["step"], y=d["skipped_ranks"], mode="markers",
+                                         name=f"{name} ({len(d)})", marker={"symbol": symbol, "color": color,
+                                                                             "size": 8}), 3, 1)
+    if first is not None:
+        y = steps[(steps["rank"] == first["rank"]) & (steps["step"] <= first["step"])]["loss"].astype(float)
+        y = y[np.isfinite(y)]
+        where = f"{first.get('module')} ({first.get('phase')})" if first.get("module") else "NaN/Inf"
+        fig.add_trace(go.Scatter(x=[first["step"]], y=[float(y.iloc[-1]) if len(y) else 0.0], mode="markers+text",
+                                 name=f"first NaN/Inf: rank {first['rank']}", text=[f"rank {first['rank']}"],
+                                 textposition="top center", customdata=[first["rank"]], meta=int(first["rank"]),
+                                 marker={"symbol": "star", "size": 16, "color": NONFINITE_COLOR},
+                                 hovertemplate=f"first NaN/Inf<br>rank {first['rank']} · step {first['step']}"
+                                               f"<br>{where}<extra></extra>"), 1, 1)
+    fig.update_yaxes(type="log", row=2, col=1)
+    fig.update_yaxes(title_text="ranks", rangemode="tozero", row=3, col=1)
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    fig.update_layout(height=height, hovermode="closest", uirevision="ranks", clickmode="event+select",
+                      margin={"l": 60, "r": 20, "t": 40, "b": 40}, legend={"orientation": "h", "y": -0.08})
+    return fig

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import pandas as pd
 import streamlit as st
 
-from ampwatch import dashdata, layerdata
+from ampwatch import dashdata, groupview, layerdata
 from ampwatch.errors import RunError
 from ampwatch.reader import RUN_SUFFIXES
 
@@ -81,6 +81,12 @@ def sidebar() -> tuple[Optional[Path], Optional[Path]]:
     if path is not None and st.query_params.get("run") != path.name:
         st.query_params["run"] = path.name
     return folder, path
+
+
+def open_run(name: str) -> None:
+    """Callback: make ``name`` (a file in the runs folder) the chosen run, as the sidebar would."""
+    st.session_state["run"] = name
+    st.query_params["run"] = name
 
 
 def _run_to_url() -> None:
@@ -240,6 +246,12 @@ def events(path: str, key: tuple) -> pd.DataFrame:
 @st.cache_data(show_spinner=False, max_entries=256)
 def step_detail(path: str, key: tuple, step: int) -> dict:
     return dashdata.step_detail(path, step)
+
+
+@st.cache_data(show_spinner="Reading the job's ranks...", max_entries=16)
+def job_view(folder: str, key: tuple, file: str) -> groupview.JobView:
+    """The job ``file`` belongs to (keyed on the whole folder's stamp: any rank may grow)."""
+    return groupview.job_view(folder, file)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)

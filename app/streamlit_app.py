@@ -15,6 +15,7 @@ pages = [
     st.Page(PAGES / "events.py", title="Events", icon=":material/bolt:"),
     st.Page(PAGES / "inspector.py", title="Step inspector", icon=":material/search:"),
     st.Page(PAGES / "compare.py", title="Compare", icon=":material/stacked_line_chart:"),
+    st.Page(PAGES / "ranks.py", title="Ranks", icon=":material/hub:"),
     st.Page(PAGES / "live.py", title="Live", icon=":material/autorenew:"),
 ]
 nav = st.navigation(pages)

@@ -1,0 +1,95 @@
+"""Issue 12: the dashboard's Ranks page (AppTest) and its figure, on a synthetic job and a single run."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import base64
+
+import numpy as np
+import plotly.io
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from ampwatch import figures
+from ampwatch.groupview import job_view
+
+sys.path.insert(0, str(Path(__file__).parent))
+from groupjob import bad_batch_job  # noqa: E402
+
+def _values(v) -> list:
+    """Trace data as a list: Plotly's JSON carries numpy arrays as {'dtype', 'bdata'} (base64)."""
+    if isinstance(v, dict) and "bdata" in v:
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
+    return list(v)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = str(ROOT / "app" / "streamlit_app.py")
+
+
+@pytest.fixture(autouse=True)
+def _restore_env():
+    before = os.environ.get("AMPWATCH_RUNS")
+    yield
+    if before is None:
+        os.environ.pop("AMPWATCH_RUNS", None)
+    else:
+        os.environ["AMPWATCH_RUNS"] = before
+
+
+def _ranks_page(folder: Path, run: str, state: dict | None = None) -> AppTest:
+    os.environ["AMPWATCH_RUNS"] = str(folder)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["run"] = run
+    at.run()
+    for k, v in (state or {}).items():
+        at.session_state[k] = v
+    at.switch_page("app_pages/ranks.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_ranks_page_marks_the_first_rank_and_picks_a_rank(tmp_path):
+    bad_batch_job(tmp_path, world=3, bad_rank=1, bad_step=25)
+    at = _ranks_page(tmp_path, "job.rank0.sqlite")
+    assert at.title[0].value == "Ranks of job"
+    text = " ".join(m.value for m in at.markdown)
+    assert "A bad batch on rank 1" in text and "rank 1 at step 25, 0 (forward), micro-batch 1" in text
+    fig = plotly.io.from_json(at.get("plotly_chart")[0].proto.spec)
+    names = [t.name for t in fig.data]
+    assert [n for n in names if n.startswith("rank ")] == ["rank 0", "rank 0", "rank 1", "rank 1", "rank 2", "rank 2"]
+    star = next(t for t in fig.data if t.name == "first NaN/Inf: rank 1")
+    assert _values(star.x) == [25] and star.meta == 1
+    skip = next(t for t in fig.data if t.name.startswith("skipped on every rank"))
+    assert _values(skip.x) == [25]
+    assert at.selectbox(key="ranks_pick").value == 1  # the first rank to go non-finite, picked
+    table = next(d.value for d in at.dataframe if "first_nonfinite_step" in d.value.columns)
+    assert table["rank"].tolist() == [0, 1, 2] and table["skipped"].tolist() == [1, 1, 1]
+    at.selectbox(key="ranks_pick").set_value(2).run()
+    fig = plotly.io.from_json(at.get("plotly_chart")[0].proto.spec)
+    widths = {t.name: t.line.width for t in fig.data if t.name.startswith("rank ")}
+    assert widths["rank 2"] == 2.5 and widths["rank 0"] == 1
+    at.button(key="ranks_open").click().run()
+    assert at.session_state["run"] == "job.rank2.sqlite"
+
+
+def test_ranks_page_with_a_missing_rank_and_a_single_run(tmp_path):
+    bad_batch_job(tmp_path, world=3)
+    (tmp_path / "job.rank2.sqlite").unlink()
+    at = _ranks_page(tmp_path, "job.rank1.sqlite")
+    assert any("rank 2: no file" in w.value for w in at.warning)
+    at = _ranks_page(ROOT / "sample_runs", "healthy_fp16.sqlite")
+    assert any("single-process run" in i.value for i in at.info)
+
+
+def test_ranks_figure_carries_the_rank_of_every_trace(tmp_path):
+    view = job_view(bad_batch_job(tmp_path, world=2, bad_rank=0, bad_step=5), "job.rank1.sqlite")
+    fig = figures.ranks_figure(view.steps, view.global_steps, view.first, selected=None)
+    per_rank = [t for t in fig.data if (t.name or "").startswith("rank ")]
+    assert [t.meta for t in per_rank] == [0, 0, 1, 1]
+    assert all(set(np.asarray(t.customdata).tolist()) == {t.meta} for t in per_rank)
+    glob = next(t for t in fig.data if t.name == "global grad norm")
+    assert np.allclose(np.asarray(glob.y, dtype=float), 0.5)
