@@ -148,10 +148,11 @@ def export(path: str, fmt: str, out: str) -> None:
             import pyarrow  # noqa: F401
         except ImportError:
             raise click.ClickException("parquet export needs pyarrow: pip install 'ampwatch[parquet]'")
+    # the name comes from the file: keep it a plain file name (no '/', '..' or control bytes)
+    stem = re.sub(r"[^\w.-]", "_", run.name).lstrip(".") or "run"
     for table in ("steps", "layers", "modules", "events", "metrics"):
         df = getattr(run, table)
-        # the name comes from the file: keep it a plain file name (no '/', '..' or control bytes)
-        file = target / f"{re.sub(r'[^\w.-]', '_', run.name).lstrip('.') or 'run'}_{table}.{fmt}"
+        file = target / f"{stem}_{table}.{fmt}"
         if fmt == "csv":
             df.to_csv(file, index=False)
         else:
