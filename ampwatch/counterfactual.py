@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import probes
 from .localize import Localizer, _tensor_list, _tensors
 
 
@@ -116,7 +117,14 @@ def _swapped(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
 def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: Optional[Localizer] = None
                    ) -> Optional[float]:
     """Run ``module`` on fp32 copies of ``args``/``kwargs``, its parameters and buffers, with autocast
-    off, no grad, the RNG forked and the localizer's hooks paused; return max |output|."""
+    off, no grad, the RNG forked and the localizer's hooks paused; return max |output|.
+
+    None where it cannot be done faithfully: parameters sharded across ranks (FSDP2's DTensors,
+    FSDP1's flat parameters, whose storage is freed after the forward) exist whole only inside the
+    framework's own forward, and a module that will not run on fp32 inputs (a dtype assertion in
+    user code) has no fp32 answer. Either way the run is recorded as before, without the verdict."""
+    if any(probes.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
+        return None
     params = {n: p.detach().float() if p.is_floating_point() else p for n, p in module.named_parameters()}
     # Buffers are cloned even when already fp32: BatchNorm updates running stats in place.
     # (.float() of an fp32 tensor is that same tensor: copy=True makes the copy.)
@@ -134,6 +142,8 @@ def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: O
             # forward, not __call__: the module's own hooks already ran on the kept inputs (children's run)
             out = module.forward(*_upcast(args), **_upcast(kwargs))
         return output_amax(out)
+    except Exception:  # the user's module, run outside its usual dtype: no verdict, not a failure
+        return None
     finally:
         if localizer is not None:
             localizer._active = was_active
