@@ -1,0 +1,126 @@
+"""Issue 9 on a GPU: GPT-2 small step time with and without ampwatch, eager and torch.compile.
+
+GPT-2 small (124M parameters, random weights from ``transformers.GPT2Config()``), batch 8 x 1024
+tokens, fp16 autocast + ``torch.amp.GradScaler("cuda")``, AdamW, the README loop (unscale_, clip,
+step, update). Two copies of the same model: one watched, one not; timed in blocks interleaved
+A B B A ..., each block ``--steps`` steps between two ``torch.cuda.synchronize()``; reported: the
+median per-step time of each variant and the median of the paired block ratios.
+
+    python bench/gpu_gpt2.py                      # eager, then compiled (inductor)
+    python bench/gpu_gpt2.py --modes eager --rounds 10 --steps 10
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ampwatch  # noqa: E402
+
+
+class Variant:
+    def __init__(self, base: torch.nn.Module, watched: bool, compiled: bool, x: torch.Tensor, folder: str,
+                 layer_every: int = 20) -> None:
+        self.model = copy.deepcopy(base)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.scaler = torch.amp.GradScaler("cuda")
+        self.watch = ampwatch.attach(self.model, self.opt, self.scaler, path=f"{folder}/run.sqlite",
+                                     layer_every=layer_every) if watched else None
+        self.net = torch.compile(self.model) if compiled else self.model
+        self.x = x
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.step()
+        torch.cuda.synchronize()
+        self.first_s = time.perf_counter() - t0
+        self.block_ms: list[float] = []
+
+    def step(self) -> None:
+        with torch.autocast("cuda", dtype=torch.float16):
+            logits = self.net(self.x).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), self.x.view(-1))
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+
+    def block(self, steps: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps * 1e3
+
+
+def measure(base: torch.nn.Module, x: torch.Tensor, compiled: bool, args: argparse.Namespace,
+            layer_every: int) -> None:
+    folder = tempfile.mkdtemp()
+    plain = Variant(base, False, compiled, x, folder)
+    watched = Variant(base, True, compiled, x, folder, layer_every)
+    for v in (plain, watched):
+        for _ in range(args.warmup):
+            v.step()
+    ratios = []
+    for r in range(args.rounds):
+        order = (plain, watched) if r % 2 == 0 else (watched, plain)
+        got = {id(v): v.block(args.steps) for v in order}
+        plain.block_ms.append(got[id(plain)])
+        watched.block_ms.append(got[id(watched)])
+        ratios.append(got[id(watched)] / got[id(plain)])
+    mode = "torch.compile (inductor)" if compiled else "eager"
+    print(f"{mode}, layer_every={layer_every}: without {statistics.median(plain.block_ms):.2f} ms/step, "
+          f"with {statistics.median(watched.block_ms):.2f} ms/step, median paired ratio "
+          f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}) over "
+          f"{args.rounds} rounds of {args.steps} steps; first step {plain.first_s:.1f} s vs "
+          f"{watched.first_s:.1f} s", flush=True)
+    if watched.watch is not None:
+        watched.watch.close()
+        run = ampwatch.load(f"{folder}/run.sqlite")
+        steps = run.steps
+        if len(steps) == 0 or run.info["status"] != "finished":
+            print(f"  RECORDING FAILED: {len(steps)} steps, status {run.info['status']}: {run.info.get('error')}")
+        else:
+            print(f"  recorded {len(steps)} steps, skipped {int(steps.skipped.sum())}, last loss "
+                  f"{steps.loss.iloc[-1]:.4f}, last scale {steps.loss_scale.iloc[-1]:.0f}, "
+                  f"{len(run.events)} NaN/Inf events", flush=True)
+    del plain, watched
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="eager,compile")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--layer-every", default="20", help="comma-separated layer_every values")
+    args = parser.parse_args()
+    logging.getLogger("ampwatch").setLevel(logging.WARNING)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config()).cuda()
+    n = sum(p.numel() for p in base.parameters())
+    x = torch.randint(0, base.config.vocab_size, (args.batch, args.seq), device="cuda")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, GPT-2 small {n / 1e6:.1f}M params, "
+          f"batch {args.batch} x {args.seq}, fp16 autocast + GradScaler, AdamW", flush=True)
+    for mode in args.modes.split(","):
+        for le in (int(v) for v in args.layer_every.split(",")):
+            measure(base, x, mode == "compile", args, le)
+
+
+if __name__ == "__main__":
+    main()
