@@ -114,11 +114,11 @@ class RunWriter:
         _test_pause("checkpoint")
         try:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            conn.execute("PRAGMA journal_mode=DELETE")
+            _leave_wal(conn)
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) and "busy" not in str(exc):
                 raise
-            log.info("ampwatch: %s stays in WAL mode (a reader held it at close): %s", self.path, exc)
+            log.info("%s stays in WAL mode (a reader held it at close): %s", self.path, exc)
         _test_pause("checkpoint-end")
 
     def _drain(self) -> None:
@@ -193,6 +193,22 @@ class RunWriter:
             raise RuntimeError(f"run file {self.path!r} was removed while recording") from None
         if inode != self._inode:
             raise RuntimeError(f"run file {self.path!r} was replaced while recording")
+
+
+def _leave_wal(conn: sqlite3.Connection, timeout_s: float = 5.0) -> None:
+    """Switch back to a rollback journal, retrying for up to ``timeout_s``.
+
+    SQLite fails this switch at once, without calling the busy handler, while any other connection
+    has the file open; a reader polling every 100 ms (the Live page) leaves gaps, so retry briefly."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=DELETE")
+            return
+        except sqlite3.OperationalError as exc:
+            if time.monotonic() >= deadline or ("locked" not in str(exc) and "busy" not in str(exc)):
+                raise
+            time.sleep(0.01)
 
 
 def _test_pause(phase: str, detail: Any = "") -> None:

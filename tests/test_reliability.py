@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -235,3 +236,25 @@ def test_sigkill_inside_the_close_time_checkpoint_loses_nothing(tmp_path, delay)
     assert len(run.steps) == steps and list(run.steps["step"]) == list(range(steps))
     assert len(run.layers) == steps * 200 and run.info["status"] == "finished"
     assert damaged_tables(path) == []
+
+
+def test_close_leaves_wal_mode_once_a_reader_lets_go(tmp_path):
+    # SQLite refuses to leave WAL mode at once (no busy handler) while any other connection has the
+    # file open: close must retry, not give up on the first try while a reader is between polls.
+    path = tmp_path / "held.sqlite"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = ampwatch.attach(model, opt, scaler, path=str(path), flush_every_s=0.05)
+    for i in range(5):
+        amp_step(model, opt, scaler, *data(i))
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    assert reader.execute("SELECT COUNT(*) FROM steps").fetchone()[0] >= 0  # opened: holds the file
+    threading.Timer(0.5, reader.close).start()
+    start = time.monotonic()
+    watch.close()
+    assert 0.4 < time.monotonic() - start < 5  # it waited for the reader, within the busy timeout
+    assert not Path(f"{path}-wal").exists()
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert _contiguous(path) == 5 and ampwatch.load(path).info["status"] == "finished"
