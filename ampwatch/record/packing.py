@@ -1,8 +1,9 @@
 """One optimizer step as the training thread hands it over, and its conversion to table rows.
 
-The training thread concatenates every device value of a step into one flat tensor (one transfer,
-made non-blocking on CUDA); the writer thread waits for it and turns it into rows here, so no
-per-value ``.item()`` ever runs on the training thread.
+The training thread concatenates every device value of a step into one flat byte tensor (the
+step's scalars in the pack dtype, then the module stats buffer): one transfer, made non-blocking on
+CUDA. The writer thread waits for it and turns it into rows here, so no per-value ``.item()`` ever
+runs on the training thread.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import localize
-from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from . import observe, origins
+from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 
 @dataclass
@@ -24,14 +25,17 @@ class StepPack:
     lr: Optional[float]
     micro_batches: int
     skipped: Optional[bool]            # known on the host (GradScaler skipped optimizer.step()), else None
-    flat: Optional[torch.Tensor]       # every device value of the step, on the CPU (maybe still in flight)
+    flat: Optional[torch.Tensor]       # every device value of the step as bytes, on the CPU (maybe in flight)
     ready: Any = None                  # CUDA event to wait on before reading ``flat``
     layout: dict[str, tuple[int, int]] = field(default_factory=dict)  # segment -> (offset, length)
     host_metrics: dict[str, float] = field(default_factory=dict)
     norm_ids: list[int] = field(default_factory=list)     # parameter ids of the 'norms' segment
     detail_ids: list[int] = field(default_factory=list)   # parameter ids of the 'detail' segment
     param_numel: dict[int, int] = field(default_factory=dict)
-    loc: Optional[localize.StepRecords] = None
+    loc: Optional[dict] = None         # the observer's structure for this step (ModuleObserver.take)
+    scalar_bytes: int = 0              # flat[:scalar_bytes] holds the scalars, the rest the module stats
+    pack_dtype: torch.dtype = torch.float64
+    exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
 
 
 @dataclass
@@ -81,7 +85,9 @@ class PackReader:
     def rows(self, pack: StepPack) -> Rows:
         if pack.ready is not None:
             pack.ready.synchronize()  # waits in the writer thread, never in training
-        values: list[float] = pack.flat.tolist() if pack.flat is not None else []
+        values: list[float] = []
+        if pack.flat is not None:
+            values = pack.flat[:pack.scalar_bytes].view(pack.pack_dtype).tolist()
 
         def seg(name: str) -> list[float]:
             off, n = pack.layout.get(name, (0, 0))
@@ -115,14 +121,17 @@ class PackReader:
         for pid in bad_params:
             amax, nan, inf = detail.get(pid, (None, None, None, None, None))[:3]
             n = norms[pack.norm_ids.index(pid)]
-            count = int(nan + inf) if nan is not None else None
+            if nan is None or nan < 0:  # counts not paid for (accelerator, not a known-bad step)
+                count, kind = None, "nan" if math.isnan(n) or (amax is not None and math.isnan(amax)) else "inf"
+            else:
+                count, kind = int(nan + inf), _kind(nan, inf, n)
             out.events.append((pack.step, "param_grad", self.param_names[pid],
-                               _kind(nan or 0, inf or 0, n), count, _nullable(amax),
+                               kind, count, _nullable(amax),
                                self.param_dtypes[pid], 0))
         if loss is not None and not math.isfinite(loss):
             out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0))
         if pack.loc is not None:
-            self._localization_rows(pack, seg("loc"), out)
+            self._localization_rows(pack, out)
         return out
 
     def _details(self, pack: StepPack, flat: list[float]) -> dict[int, tuple]:
@@ -134,7 +143,9 @@ class PackReader:
         if detail and len(detail) == len(ids):
             cols = list(zip(*(detail[pid] for pid in ids)))
             amax, nan, inf, zero, pnorm = (list(c) for c in cols)
-            nonfinite = [int(a + b) for a, b in zip(nan, inf)]
+            # -1: not counted (foreach detail on an accelerator); a finite norm means none
+            nonfinite = [int(a + b) if a >= 0 else (0 if math.isfinite(n) else None)
+                         for a, b, n in zip(nan, inf, norms)]
             zero_frac = [z / (pack.param_numel.get(pid) or 1) for z, pid in zip(zero, ids)]
         else:
             amax = pnorm = nonfinite = zero_frac = [None] * len(ids)  # type: ignore[assignment]
@@ -145,19 +156,24 @@ class PackReader:
         return list(zip(ids, [step] * len(ids), _clean(norms), _clean(amax), _clean(pnorm),
                         nonfinite, zero_frac, mask))
 
-    def _localization_rows(self, pack: StepPack, device_values: list[float], out: Rows) -> None:
-        records = pack.loc
-        values = localize.resolve_values(records, device_values)
-        # Most steps are healthy and not detail steps: nothing to write, so skip the analysis.
-        if pack.step % self.layer_every and not localize.any_nonfinite(values):
+    def _localization_rows(self, pack: StepPack, out: Rows) -> None:
+        loc = pack.loc
+        if not loc or not loc["observed"] or pack.flat is None:
             return
-        stats, origins = localize.analyse(records, values, self.module_names)
+        raw = pack.flat[pack.scalar_bytes:]
+        values = origins.slot_values(observe.decode(raw, observe.ROLES * len(self.module_names)),
+                                     loc["counts"], pack.exact_counts)
+        # Most steps are healthy and not detail steps: nothing to write, so skip the analysis.
+        if pack.step % self.layer_every and not origins.any_nonfinite(values):
+            return
+        stats, found = origins.analyse(values, loc["aliases"], loc["order"], self.module_names)
         has_events = any(s.nonfinite for s in stats.values())
         for (module, phase), s in stats.items():
             if s.nonfinite:
-                out.events.append((pack.step, phase, self.module_names[module], _kind(s.nan, s.inf),
-                                   int(s.nan + s.inf), _nullable(s.amax), s.dtype,
-                                   int(origins[phase] == module)))
+                count = None if s.nan is None else int(s.nan + s.inf)  # type: ignore[operator]
+                kind = _kind(s.nan, s.inf) if s.nan is not None else ("nan" if s.kind_nan else "inf")
+                out.events.append((pack.step, phase, self.module_names[module], kind, count,
+                                   _nullable(s.amax), s.dtype, int(found[phase] == module)))
             if has_events or pack.step % self.layer_every == 0:
-                out.modules.append((self.module_ids[module], 0 if phase == localize.FORWARD else 1,
+                out.modules.append((self.module_ids[module], 0 if phase == origins.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))

@@ -1,0 +1,240 @@
+"""Module observation: where NaN/Inf is born, at one reduction per hooked tensor.
+
+Every module gets four fixed slots at attach, one per role: its forward input (IN), its forward
+output (OUT), the gradient w.r.t. its output (GOUT) and w.r.t. its input (GIN). One stats buffer,
+allocated once on the model's device, holds for each slot the min and max of what was observed this
+step, once per floating dtype (fp64/fp32/fp16/bf16 regions of one byte buffer, so ``torch.aminmax``
+writes its result straight into the slot in the tensor's own dtype: no casts, no stacking). NaN
+propagates into min and max and inf shows as ±inf, so "non-finite" and its kind are read from the
+slot on the host. A slot observed several times in a step (a shared module, micro-batches) keeps
+the running min/max.
+
+Eager: the first step (and any step after the module call count changed) is a *learning* step: the
+hooks note which inputs are the very tensors another module already produced or received (the
+residual stream, a container's input handed to its first child), and later steps skip reducing
+those: the host reads the other module's slot instead. Under ``torch.compile`` the hooks skip the
+Python bookkeeping and call the custom op ``ampwatch::observe`` (it mutates the stats buffer), so
+Dynamo traces them into the graph with no graph break; gradients are observed with
+``Tensor.register_hook``, which Dynamo also traces.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .. import probes
+
+IN, OUT, GIN, GOUT = range(4)
+ROLES = 4
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
+DTYPE_NAMES = tuple(str(dt).replace("torch.", "") for dt in DTYPES)
+_POS = (math.inf, -math.inf)
+
+
+@torch.library.custom_op("ampwatch::observe", mutates_args=("stats",))
+def observe(x: torch.Tensor, stats: torch.Tensor, slot: int) -> None:
+    """Fold min/max of ``x`` into row ``slot`` of ``stats`` ((S, 2), ``x``'s dtype)."""
+    mn, mx = torch.aminmax(x)
+    torch.minimum(stats[slot, 0], mn, out=stats[slot, 0])
+    torch.maximum(stats[slot, 1], mx, out=stats[slot, 1])
+
+
+@observe.register_fake
+def _observe_fake(x: torch.Tensor, stats: torch.Tensor, slot: int) -> None:
+    return None
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Floating-point tensors inside a module's inputs/outputs (tuples, lists, dicts, HF outputs)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype in DTYPE_INDEX and obj.numel() > 0:
+            yield obj
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, depth + 1)
+
+
+def _tensor_list(obj: Any) -> list[torch.Tensor]:
+    if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+        return [obj] if obj.dtype in DTYPE_INDEX and obj.numel() > 0 else []
+    return list(_tensors(obj))
+
+
+class StatsBuffer:
+    """One byte buffer on the device: per dtype an (S, 2) min/max region; reset with one copy."""
+
+    def __init__(self, slots: int, device: torch.device) -> None:
+        sizes = [slots * 2 * torch.empty((), dtype=dt).element_size() for dt in DTYPES]
+        self.raw = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        self.offsets, self.views, start = [], [], 0
+        for dt, size in zip(DTYPES, sizes):
+            self.offsets.append(start)
+            self.views.append(self.raw[start:start + size].view(dt).view(slots, 2))
+            start += size
+        for v in self.views:
+            v[:, 0].fill_(math.inf)
+            v[:, 1].fill_(-math.inf)
+        self._reset = self.raw.clone()  # the image of an empty step: min +inf, max -inf
+
+    def reset(self) -> None:
+        self.raw.copy_(self._reset)
+
+
+def decode(raw: torch.Tensor, slots: int) -> list[list[tuple[float, float]]]:
+    """Host side: per dtype, per slot (min, max) from a CPU copy of the byte buffer."""
+    out, start = [], 0
+    for dt in DTYPES:
+        size = slots * 2 * torch.empty((), dtype=dt).element_size()
+        values = raw[start:start + size].view(dt).float().view(slots, 2).tolist()
+        out.append([tuple(v) for v in values])  # type: ignore[misc]
+        start += size
+    return out
+
+
+class ModuleObserver:
+    """Hooks every module of ``model``; the stats buffer and the learned structure live here."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.names: list[str] = []
+        self.types: list[str] = []
+        self._handles: list[Any] = []
+        modules = []
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            if id(module) in seen:  # a module registered twice is hooked once, under its first name
+                continue
+            seen.add(id(module))
+            modules.append(module)
+            self.names.append(name or "<model>")
+            self.types.append(type(module).__name__)
+        self.slots = ROLES * len(modules)
+        self.buffer = StatsBuffer(self.slots, device)
+        self._views = self.buffer.views
+        self._reads_free = probes.reads_are_free(device)
+        self.active = True
+        # learned structure: (module, call, position) of an input -> the slot that already holds it
+        self.aliases: dict[tuple[int, int, int], int] = {}
+        self.order: Optional[list[int]] = None  # modules in forward finish order (first call)
+        self._learned_calls = -1
+        self._learning = True
+        self._new_step()
+        for index, module in enumerate(modules):
+            self._handles.append(module.register_forward_pre_hook(partial(self._before, index), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(partial(self._after, index)))
+
+    # -- per step --------------------------------------------------------------------------------
+    def _new_step(self) -> None:
+        self._written: set[int] = set()
+        self._calls = 0
+        self._call_of: dict[int, int] = {}
+        self.counts: dict[int, list[float]] = {}     # slot -> [nan, inf] (only where reads are free)
+        self._seen: dict[int, tuple[Any, int]] = {}  # learning step only: id(tensor) -> (ref, slot)
+        self._finish: list[int] = []
+
+    def take(self) -> dict:
+        """The step's structure for the host (the stats themselves travel in the step's buffer)."""
+        if self._learning and self._calls:
+            self.order = list(dict.fromkeys(self._finish))
+            self._learned_calls = self._calls
+        step = {"aliases": self.aliases, "order": self.order, "counts": self.counts,
+                "observed": bool(self._calls) or bool(self._written)}
+        # re-learn only when the structure visibly changed (the number of module calls)
+        self._learning = self._calls != self._learned_calls and not (self._calls == 0 and self.order)
+        if self._learning:
+            self.aliases = {}
+        self._new_step()
+        return step
+
+    def reset_buffer(self) -> None:
+        self.buffer.reset()
+
+    def remove(self) -> None:
+        """Remove every hook; gradient hooks still pending on live tensors become no-ops."""
+        self.active = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- observation -------------------------------------------------------------------------------
+    def _write(self, t: torch.Tensor, slot: int) -> None:
+        d = DTYPE_INDEX.get(t.dtype)
+        if d is None:
+            return
+        stats = self._views[d]
+        t = t.detach()
+        if _compiling():
+            torch.ops.ampwatch.observe(t, stats, slot)
+            return
+        key = slot * 4 + d
+        mn_v, mx_v = stats[slot, 0], stats[slot, 1]
+        if key in self._written:
+            mn, mx = torch.aminmax(t)
+            torch.minimum(mn_v, mn, out=mn_v)
+            torch.maximum(mx_v, mx, out=mx_v)
+        else:
+            self._written.add(key)
+            mn, mx = torch.aminmax(t, out=(mn_v, mx_v))
+        if self._reads_free:
+            lo, hi = mn.item(), mx.item()
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                c = self.counts.setdefault(slot, [0.0, 0.0])
+                c[0] += float(torch.isnan(t).sum())
+                c[1] += float(torch.isinf(t).sum())
+
+    def _watch_grad(self, t: torch.Tensor, slot: int) -> None:
+        if t.requires_grad and torch.is_grad_enabled():
+            t.register_hook(partial(self._on_grad, slot))
+
+    def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
+        # runs inside the user's backward(): must never raise or return a tensor
+        if self.active and grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
+            self._write(grad, slot)
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def _before(self, index: int, module: Any, args: Any, kwargs: Any) -> None:
+        if not (self.active and module.training):
+            return
+        tensors = _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
+        base = ROLES * index
+        if _compiling():
+            for t in tensors:
+                self._write(t, base + IN)
+                self._watch_grad(t, base + GIN)
+            return
+        self._calls += 1
+        call = self._call_of[index] = self._call_of.get(index, -1) + 1
+        for pos, t in enumerate(tensors):
+            if self._learning:
+                hit = self._seen.get(id(t))
+                if hit is not None and hit[0]() is t:  # another module's tensor: read its slot
+                    self.aliases[(index, call, pos)] = hit[1]
+                    continue
+                self._seen[id(t)] = (weakref.ref(t), base + IN)
+            elif (index, call, pos) in self.aliases:
+                continue
+            self._write(t, base + IN)
+            self._watch_grad(t, base + GIN)
+
+    def _after(self, index: int, module: Any, args: Any, output: Any) -> None:
+        if not (self.active and module.training):
+            return
+        base = ROLES * index
+        for t in _tensor_list(output):
+            self._write(t, base + OUT)
+            self._watch_grad(t, base + GOUT)
+            if self._learning and not _compiling():
+                self._seen[id(t)] = (weakref.ref(t), base + OUT)
+        if self._learning and not _compiling():
+            self._finish.append(index)
