@@ -3,7 +3,7 @@
 Every module gets four fixed slots at attach, one per role: its forward input (IN), its forward
 output (OUT), the gradient w.r.t. its output (GOUT) and w.r.t. its input (GIN). One stats buffer,
 allocated once on the model's device, holds for each slot the min and max of what was observed this
-step, once per floating dtype (fp64/fp32/fp16/bf16 regions of one byte buffer, so ``torch.aminmax``
+step, once per floating dtype (one small (slots, 2) tensor each for fp64/fp32/fp16/bf16, so ``torch.aminmax``
 writes its result straight into the slot in the tensor's own dtype: no casts, no stacking). NaN
 propagates into min and max and inf shows as ±inf, so "non-finite" and its kind are read from the
 slot on the host. A slot observed several times in a step (a shared module, micro-batches) keeps
@@ -13,8 +13,8 @@ Eager: the first step (and any step after the module call count changed) is a *l
 hooks note which inputs are the very tensors another module already produced or received (the
 residual stream, a container's input handed to its first child), and later steps skip reducing
 those: the host reads the other module's slot instead. Under ``torch.compile`` the hooks skip the
-Python bookkeeping and call the custom op ``ampwatch::observe`` (it mutates the stats buffer), so
-Dynamo traces them into the graph with no graph break; gradients are observed with
+Python bookkeeping and call the custom op ``ampwatch::observe`` (an ordered side effect that writes
+the stats buffer), so Dynamo traces them into the graph with no graph break; gradients are observed with
 ``Tensor.register_hook``, which Dynamo also traces.
 """
 from __future__ import annotations
@@ -36,17 +36,36 @@ DTYPE_NAMES = tuple(str(dt).replace("torch.", "") for dt in DTYPES)
 _POS = (math.inf, -math.inf)
 
 
-@torch.library.custom_op("ampwatch::observe", mutates_args=("stats",))
-def observe(x: torch.Tensor, stats: torch.Tensor, slot: int) -> None:
-    """Fold min/max of ``x`` into row ``slot`` of ``stats`` ((S, 2), ``x``'s dtype)."""
+_BUFFERS: dict[int, list[torch.Tensor]] = {}  # observer id -> its per-dtype stats tensors
+
+
+@torch.library.custom_op("ampwatch::observe", mutates_args=())
+def observe(x: torch.Tensor, buffer: int, slot: int) -> None:
+    """Fold min/max of ``x`` into row ``slot`` of observer ``buffer``'s stats for ``x``'s dtype.
+
+    The buffer is looked up here rather than passed in: a compiled graph that took it as an input
+    would save it for its backward, and any write to it between forward and backward (an eager
+    module, another compiled graph) would fail autograd's version check. The op is registered as
+    an ordered side effect instead, so it is neither dropped nor reordered."""
+    stats = _BUFFERS.get(buffer)
+    if stats is None or x.dtype not in DTYPE_INDEX:  # the watch was closed: a no-op
+        return
+    row = stats[DTYPE_INDEX[x.dtype]][slot]
     mn, mx = torch.aminmax(x)
-    torch.minimum(stats[slot, 0], mn, out=stats[slot, 0])
-    torch.maximum(stats[slot, 1], mx, out=stats[slot, 1])
+    torch.minimum(row[0], mn, out=row[0])
+    torch.maximum(row[1], mx, out=row[1])
 
 
 @observe.register_fake
-def _observe_fake(x: torch.Tensor, stats: torch.Tensor, slot: int) -> None:
+def _observe_fake(x: torch.Tensor, buffer: int, slot: int) -> None:
     return None
+
+
+try:
+    from torch._library.effects import EffectType
+    observe.register_effect(EffectType.ORDERED)
+except (ImportError, AttributeError):  # older torch: under compile the op may be dropped (eager is unaffected)
+    pass
 
 
 def _compiling() -> bool:
@@ -73,23 +92,25 @@ def _tensor_list(obj: Any) -> list[torch.Tensor]:
 
 
 class StatsBuffer:
-    """One byte buffer on the device: per dtype an (S, 2) min/max region; reset with one copy."""
+    """Per dtype one (S, 2) min/max tensor on the device, allocated once, reset each step.
+
+    Separate tensors, not views of one byte buffer: under torch.compile a view shares its base's
+    version counter, and the backward graph saves the buffer it mutates."""
 
     def __init__(self, slots: int, device: torch.device) -> None:
-        sizes = [slots * 2 * torch.empty((), dtype=dt).element_size() for dt in DTYPES]
-        self.raw = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        self.offsets, self.views, start = [], [], 0
-        for dt, size in zip(DTYPES, sizes):
-            self.offsets.append(start)
-            self.views.append(self.raw[start:start + size].view(dt).view(slots, 2))
-            start += size
+        self.views = [torch.empty((slots, 2), dtype=dt, device=device) for dt in DTYPES]
         for v in self.views:
             v[:, 0].fill_(math.inf)
             v[:, 1].fill_(-math.inf)
-        self._reset = self.raw.clone()  # the image of an empty step: min +inf, max -inf
+        self._reset = [v.clone() for v in self.views]  # an empty step: min +inf, max -inf
+
+    def as_bytes(self) -> list[torch.Tensor]:
+        """The buffers as byte views (no copy), in the order :func:`decode` reads them."""
+        return [v.view(-1).view(torch.uint8) for v in self.views]
 
     def reset(self) -> None:
-        self.raw.copy_(self._reset)
+        for v, image in zip(self.views, self._reset):
+            v.copy_(image)
 
 
 def decode(raw: torch.Tensor, slots: int) -> list[list[tuple[float, float]]]:
@@ -122,6 +143,8 @@ class ModuleObserver:
         self.slots = ROLES * len(modules)
         self.buffer = StatsBuffer(self.slots, device)
         self._views = self.buffer.views
+        self._id = id(self)
+        _BUFFERS[self._id] = self.buffer.views
         self._reads_free = probes.reads_are_free(device)
         self.active = True
         # learned structure: (module, call, position) of an input -> the slot that already holds it
@@ -131,8 +154,13 @@ class ModuleObserver:
         self._learning = True
         self._new_step()
         for index, module in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(partial(self._before, index), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(partial(self._after, index)))
+            before, after = partial(self._before, index), partial(self._after, index)
+            if index == 0:
+                # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would
+                # compile each as a graph of its own: keep them eager (they see no traced tensors)
+                before, after = torch._dynamo.disable(before), torch._dynamo.disable(after)
+            self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(after))
 
     # -- per step --------------------------------------------------------------------------------
     def _new_step(self) -> None:
@@ -163,6 +191,7 @@ class ModuleObserver:
     def remove(self) -> None:
         """Remove every hook; gradient hooks still pending on live tensors become no-ops."""
         self.active = False
+        _BUFFERS.pop(self._id, None)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -175,7 +204,7 @@ class ModuleObserver:
         stats = self._views[d]
         t = t.detach()
         if _compiling():
-            torch.ops.ampwatch.observe(t, stats, slot)
+            torch.ops.ampwatch.observe(t, self._id, slot)
             return
         key = slot * 4 + d
         mn_v, mx_v = stats[slot, 0], stats[slot, 1]
@@ -234,7 +263,7 @@ class ModuleObserver:
         for t in _tensor_list(output):
             self._write(t, base + OUT)
             self._watch_grad(t, base + GOUT)
-            if self._learning and not _compiling():
+            if not _compiling() and self._learning:
                 self._seen[id(t)] = (weakref.ref(t), base + OUT)
-        if self._learning and not _compiling():
+        if not _compiling() and self._learning:
             self._finish.append(index)

@@ -81,7 +81,7 @@ def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.T
     observer, loc = watch.observer, None
     if observer is not None:
         loc = observer.take()
-        parts.append(observer.buffer.raw)
+        parts.extend(observer.buffer.as_bytes())
     flat = ready = None
     if parts:
         flat, ready = _transfer(torch.cat(parts) if len(parts) > 1 else parts[0])

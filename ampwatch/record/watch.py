@@ -67,7 +67,6 @@ class Watch:
         self.closed = False
         self._failed = False
         self._handles: list[Any] = []
-        self._amp_handles: list[Any] = []
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
         self._clip_noticed = False         # the clip-before-unscale notice is written once per run
         self._params, names = parameter_table(model, self.optimizer)
@@ -121,10 +120,9 @@ class Watch:
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
         # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
-        # the children look too; these hooks are removed when the first step ends
-        self._amp_handles = [m.register_forward_pre_hook(_AutocastProbe(self))
-                             for m in (model, *model.children())]
-        self._handles.extend(self._amp_handles)
+        # the children look too. They stay until close (a no-op after the first step): removing a hook
+        # would make torch.compile recompile the model
+        self._handles.extend(m.register_forward_pre_hook(_AutocastProbe(self)) for m in (model, *model.children()))
         counted = next((p for p in self._params if p.requires_grad), None)
         if counted is not None and hasattr(counted, "register_post_accumulate_grad_hook"):
             self._handles.append(counted.register_post_accumulate_grad_hook(self.guarded(self._on_backward)))
@@ -158,7 +156,7 @@ class Watch:
         return self.step % self.options["layer_every"] == 0
 
     def on_autocast(self) -> None:
-        if self._amp_seen or self._failed or self.closed or torch.compiler.is_compiling():
+        if self._amp_seen or self.step or self._failed or self.closed:
             return
         kind = self._device.type
         try:
@@ -243,10 +241,6 @@ class Watch:
         self.writer.put_step(pack_step(self, scale, found, now))
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
-        if self.step == 0:
-            for handle in self._amp_handles:
-                handle.remove()
-            self._amp_handles = []
         self.step += 1
         self.grads.reset()
         self.state = StepState(now, previous=self.state)
@@ -311,7 +305,7 @@ class _AutocastProbe:
         if torch.compiler.is_compiling():
             return
         watch = self._watch()
-        if watch is not None:
+        if watch is not None and not watch._amp_seen and not watch.step:
             watch.guarded(watch.on_autocast)()
 
 
