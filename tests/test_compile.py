@@ -112,3 +112,32 @@ def test_compiled_run_localizes_like_eager(tmp_path, kind, monkeypatch):
     assert first["module"] == ("fc2" if kind == "forward" else "bomb")
     assert first["step"] == (2 if kind == "forward" else 0)
     _same_record(eager, comp)
+
+
+def test_attach_to_a_compiled_model_that_already_ran(tmp_path):
+    """The old failure: attaching after the compiled model ran raised inside Dynamo. Now it recompiles
+    once with the hooks and records the rest of the run; training is unchanged."""
+    _, plain_losses, _, _ = run(tmp_path, "plain", compiled=True, watched=False)
+    torch._dynamo.reset()
+    counters.clear()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    net = torch.compile(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    losses, watch = [], None
+    for step in range(4):
+        if step == 1:
+            watch = ampwatch.attach(net, opt, scaler, path=str(tmp_path / "late.sqlite"))
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(net(x).float(), y)
+        losses.append(loss.detach().clone())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    watch.close()
+    assert dict(counters["graph_break"]) == {}
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+    assert len(ampwatch.load(watch.path).steps) == 3

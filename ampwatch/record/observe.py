@@ -144,6 +144,7 @@ class ModuleObserver:
         self.buffer = StatsBuffer(self.slots, device)
         self._views = self.buffer.views
         self._id = id(self)
+        self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         _BUFFERS[self._id] = self.buffer.views
         self._reads_free = probes.reads_are_free(device)
         self.active = True
@@ -207,7 +208,10 @@ class ModuleObserver:
             torch.ops.ampwatch.observe(t, self._id, slot)
             return
         key = slot * 4 + d
-        mn_v, mx_v = stats[slot, 0], stats[slot, 1]
+        views = self._slot_views.get(key)
+        if views is None:  # made once per (slot, dtype): indexing costs microseconds per call
+            views = self._slot_views[key] = (stats[slot, 0], stats[slot, 1])
+        mn_v, mx_v = views
         if key in self._written:
             mn, mx = torch.aminmax(t)
             torch.minimum(mn_v, mn, out=mn_v)
