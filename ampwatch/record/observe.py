@@ -85,6 +85,14 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(item, depth + 1)
 
 
+def _numpy_view(t: torch.Tensor) -> Any:
+    """A numpy array sharing ``t``'s memory (CPU), or None (bfloat16, or no numpy)."""
+    try:
+        return t.numpy() if t.dtype != torch.bfloat16 else None
+    except (RuntimeError, TypeError):
+        return None
+
+
 def _tensor_list(obj: Any) -> list[torch.Tensor]:
     if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
         return [obj] if obj.dtype in DTYPE_INDEX and obj.numel() > 0 else []
@@ -147,6 +155,7 @@ class ModuleObserver:
         self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         _BUFFERS[self._id] = self.buffer.views
         self._reads_free = probes.reads_are_free(device)
+        self._host = [_numpy_view(v) if self._reads_free else None for v in self._views]
         self.active = True
         # learned structure: (module, call, position) of an input -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int], int] = {}
@@ -220,7 +229,8 @@ class ModuleObserver:
             self._written.add(key)
             mn, mx = torch.aminmax(t, out=(mn_v, mx_v))
         if self._reads_free:
-            lo, hi = mn.item(), mx.item()
+            host = self._host[d]  # a numpy view of the CPU buffer: reading it costs no dispatch
+            lo, hi = host[slot] if host is not None else (mn.item(), mx.item())
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 c = self.counts.setdefault(slot, [0.0, 0.0])
                 c[0] += float(torch.isnan(t).sum())
