@@ -22,7 +22,7 @@ from typing import Any, Optional
 from sqlite_utils import Database
 
 from . import schema
-from .packing import PackReader, Rows, StepPack
+from .record.packing import PackReader, Rows, StepPack
 
 _STOP = object()
 _POLL_S = 0.1  # how often the thread drains the step deque; bounds what a reader sees late

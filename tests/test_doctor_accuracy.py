@@ -248,7 +248,9 @@ def test_fault_gets_the_right_root_cause(fault_runs, fault, arch):
     if verdict == "finite":
         assert "finite (max" in root.evidence and "range is the problem" in root.evidence
     elif verdict == "NaN":
-        assert "NaN too" in root.evidence and "Not a precision problem" in root.advice
+        assert "NaN too" in root.evidence
+        # the overwritten weight, where its recorded norms show it, is the more specific advice
+        assert "Not a precision problem" in root.advice or "something overwrote it" in root.advice, root.advice
     for c in consequences:
         assert any(f.id == c and f.cause == root.id for f in findings), [(f.id, f.cause) for f in findings]
     # one root leads the report; nothing else above info stands on its own
