@@ -247,8 +247,10 @@ def test_detach_removes_every_hook(tmp_path):
     assert after == before
 
 
-def test_event_names_the_micro_batch_that_overflowed(tmp_path):
-    """Issue 12: "rank 3's micro-batch 2". A bad sample in micro-batch 1 of 3 at step 2 only."""
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_event_names_the_micro_batch_that_overflowed(tmp_path, record_path, bad):
+    """Issue 12: "rank 3's micro-batch 2". A bad sample in micro-batch ``bad`` of 3 at step 2 only
+    (the first, a middle and the last one: the last is never marked by a later root call)."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
@@ -256,15 +258,15 @@ def test_event_names_the_micro_batch_that_overflowed(tmp_path):
         for step in range(4):
             x, y = data(step, n=48)
             if step == 2:
-                x[16 + 5, 3] = 1e5  # micro-batch 1 (rows 16..31): fp16 casts it to inf inside layer 0
+                x[16 * bad + 5, 3] = 1e5  # rows 16*bad.. : fp16 casts it to inf inside layer 0
             amp_step(model, opt, scaler, x, y, accum=3)
     run = ampwatch.load(watch.path)
     ev = run.query("SELECT step, phase, module, origin, micro_batch FROM events")
     forward = ev[ev.phase == "forward"]
     assert set(forward["step"]) == {2}
-    assert forward[forward.origin == 1][["module", "micro_batch"]].values.tolist() == [["0", 1]]
-    assert set(forward["micro_batch"]) == {1}  # micro-batches 0 and 2 were clean in forward
+    assert forward[forward.origin == 1][["module", "micro_batch"]].values.tolist() == [["0", bad]]
+    assert set(forward["micro_batch"]) == {bad}  # the other micro-batches were clean in forward
     backward = ev[ev.phase == "backward"]
-    assert set(backward["micro_batch"]) <= {1}
+    assert set(backward["micro_batch"]) <= {bad}
     assert ev[ev.phase.isin(["param_grad", "loss"])]["micro_batch"].isna().all()
     assert run.steps.set_index("step").loc[2, "skipped"] and run.steps["micro_batches"].tolist() == [3] * 4
