@@ -33,7 +33,7 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     Cost: a few device ops and one device-to-host transfer per optimizer step (non-blocking on
     CUDA); disk writes happen on a background thread.
     """
-    from .recorder import Watch
+    from .record.watch import Watch
     return Watch(model, optimizer, scaler, path=path, name=name, config=config, **options)
 
 
@@ -63,7 +63,7 @@ def load_group(folder_or_glob: Any, job: Optional[str] = None) -> "RunGroup":
 def __getattr__(name: str) -> Any:
     # Lazy: `import ampwatch` stays light (no pandas) for the training box.
     if name == "Watch":
-        from .recorder import Watch
+        from .record.watch import Watch
         return Watch
     if name == "Run":
         from .reader import Run

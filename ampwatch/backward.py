@@ -47,7 +47,9 @@ class BackwardEnd:
         self._started, self._ended = started, ended
         self._queued: Optional[int] = None  # backward pass whose end is queued (-1: id unknown)
         self._active = True
-        self.handles: list[Any] = [model.register_forward_hook(self._on_output)]
+        # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would make a
+        # graph of this one: kept eager (it sees real output tensors)
+        self.handles: list[Any] = [model.register_forward_hook(torch._dynamo.disable(self._on_output))]
         counted = next((p for p in params if p.requires_grad), None)
         if counted is not None and hasattr(counted, "register_post_accumulate_grad_hook"):
             self.handles.append(counted.register_post_accumulate_grad_hook(self._fire))

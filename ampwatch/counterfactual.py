@@ -10,7 +10,7 @@ How it stays out of training's way:
 
 * During the step, :class:`InputKeeper` holds a reference to each hooked module's latest forward
   inputs (one dict slot per module, replaced on the next call, cleared at the step's end: no list
-  grows). No copy is made and nothing is read: on clean steps it costs a dict store per module call.
+  grows; fed by the eager pre-hooks of :class:`~ampwatch.record.observe.ModuleObserver`). No copy is made and nothing is read: on clean steps it costs a dict store per module call.
   Memory: inputs that autograd would have freed during backward stay alive until the step ends. Most
   are saved for backward anyway (a Linear keeps its input); the extra is the inputs of modules whose
   backward does not need them (elementwise, residual containers): at most one forward's activations.
@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from . import probes
-from .localize import Localizer, _tensor_list, _tensors
+from .record.observe import ModuleObserver, _tensor_list, _tensors
 
 
 def _upcast(obj: Any, depth: int = 0) -> Any:
@@ -52,7 +52,7 @@ def _upcast(obj: Any, depth: int = 0) -> Any:
 
 
 def _versions(args: Any, kwargs: Any) -> tuple[int, ...]:
-    """Version counters of a call's floating tensors, listed as the localizer's pre-hook lists them."""
+    """Version counters of a call's floating tensors, listed as the observer's pre-hook lists them."""
     tensors = _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
     return tuple(t._version for t in tensors)
 
@@ -74,21 +74,25 @@ def output_amax(output: Any) -> Optional[float]:
 class InputKeeper:
     """One slot per hooked module: the latest forward inputs of the step (references, no copies).
 
-    Where reads are free the localizer tells it which call made the first non-finite output from
-    finite inputs, and that call's inputs are then kept (pinned) instead of the latest."""
+    Where reads are free the observer tells it which call made a non-finite output; when that call's
+    inputs were finite they are kept (pinned) instead of the latest: the first such call wins."""
 
-    def __init__(self, localizer: Localizer) -> None:
-        self._localizer = localizer
-        self._inputs: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
+    def __init__(self, observer: ModuleObserver) -> None:
+        self._observer = observer
+        self._inputs: dict[int, tuple[Any, Any, tuple[int, ...], list]] = {}
         self._pinned: set[int] = set()
 
     def keep(self, index: int, args: Any, kwargs: Any, tensors: list) -> None:
-        """Called by the localizer's pre-hook with the call's floating tensors (already listed)."""
+        """Called by the observer's pre-hook with the call's floating tensors (already listed)."""
         if index not in self._pinned:
-            self._inputs[index] = (args, kwargs, tuple(t._version for t in tensors))
+            self._inputs[index] = (args, kwargs, tuple(t._version for t in tensors), tensors)
 
-    def settle(self, index: int, output_bad: bool, inputs_bad: bool) -> None:
-        if output_bad and not inputs_bad and index in self._inputs:
+    def settle(self, index: int) -> None:
+        """Module ``index``'s call just made a non-finite output (host path: reads are free)."""
+        kept = self._inputs.get(index)
+        if kept is None or index in self._pinned:
+            return
+        if all(bool(torch.isfinite(t).all()) for t in kept[3]):
             self._pinned.add(index)
 
     def clear(self) -> None:
@@ -100,11 +104,11 @@ class InputKeeper:
         kept = self._inputs.get(index)
         if kept is None:
             return None
-        args, kwargs, versions = kept
+        args, kwargs, versions, _ = kept
         if _versions(args, kwargs) != versions:
             return None  # modified in place since the call: not the inputs it saw
-        module = self._localizer.modules[index]
-        return recompute_fp32(module, args, kwargs, self._localizer)
+        module = self._observer.modules[index]
+        return recompute_fp32(module, args, kwargs, self._observer)
 
 
 def _swapped(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
@@ -114,10 +118,10 @@ def _swapped(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
     return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
 
 
-def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: Optional[Localizer] = None
+def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, observer: Optional[ModuleObserver] = None
                    ) -> Optional[float]:
     """Run ``module`` on fp32 copies of ``args``/``kwargs``, its parameters and buffers, with autocast
-    off, no grad, the RNG forked and the localizer's hooks paused; return max |output|.
+    off, no grad, the RNG forked and the observer's hooks paused; return max |output|.
 
     None where it cannot be done faithfully: parameters sharded across ranks (FSDP2's DTensors,
     FSDP1's flat parameters, whose storage is freed after the forward) exist whole only inside the
@@ -133,9 +137,9 @@ def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: O
     device = next(iter(params.values()), next(iter(buffers.values()), None))
     devices = [device.device] if device is not None and device.device.type == "cuda" else []
     device_type = device.device.type if device is not None else "cpu"
-    was_active = localizer._active if localizer is not None else None
-    if localizer is not None:
-        localizer._active = False
+    was_active = observer.active if observer is not None else None
+    if observer is not None:
+        observer.active = False
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), \
                 torch.autocast(device_type, enabled=False), _swapped(module, {**params, **buffers}):
@@ -145,18 +149,17 @@ def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, localizer: O
     except Exception:  # the user's module, run outside its usual dtype: no verdict, not a failure
         return None
     finally:
-        if localizer is not None:
-            localizer._active = was_active
+        if observer is not None:
+            observer.active = was_active
 
 
-def check_step(localizer: Localizer, skipped: bool) -> None:
+def check_step(observer: ModuleObserver, skipped: bool) -> None:
     """On a step known to be bad (host path: a hook saw it; accelerator: the scaler skipped it),
-    recompute the forward origin in fp32 once and leave the result in the step's records."""
-    keeper = localizer.keeper
-    records = localizer._records
-    if keeper is None or records.fp32_checked or not (records.host_bad or (skipped and records.device_stats)):
+    recompute the forward origin in fp32 once and leave the result with the observer's step."""
+    keeper = observer.keeper
+    if keeper is None or observer.fp32_checked or not (observer.counts or (skipped and observer.root_calls)):
         return
-    records.fp32_checked = True
-    origin = localizer.forward_origin()
+    observer.fp32_checked = True
+    origin = observer.forward_origin(observer.names)
     if origin is not None:
-        records.fp32_amax[origin] = keeper.recompute(origin)
+        observer.fp32_amax[origin] = keeper.recompute(origin)

@@ -6,10 +6,14 @@ unless its docstring says so.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional, Sequence
 
 import torch
+
+# AMPWATCH_CPU_AS_ACCELERATOR=1 makes ampwatch treat the CPU like CUDA: no free host reads, the
+# device-resident (foreach, one-transfer) path everywhere, so CI exercises the accelerator path.
 
 # float64 keeps counts exact and scales like 2**24 exact; MPS has no float64.
 def pack_dtype(device: torch.device) -> torch.dtype:
@@ -17,8 +21,14 @@ def pack_dtype(device: torch.device) -> torch.dtype:
 
 
 def reads_are_free(device: torch.device) -> bool:
-    """True where reading a tensor's value costs no device sync (CPU tensors are computed eagerly)."""
-    return device.type == "cpu"
+    """True where reading a tensor's value costs no device sync (CPU tensors are computed eagerly),
+    unless ``AMPWATCH_CPU_AS_ACCELERATOR=1`` asks for the accelerator path on the CPU."""
+    return device.type == "cpu" and not cpu_as_accelerator()
+
+
+def cpu_as_accelerator() -> bool:
+    """Read at call time (tests switch it per test with monkeypatch.setenv)."""
+    return os.environ.get("AMPWATCH_CPU_AS_ACCELERATOR", "") not in ("", "0")
 
 
 # --- GradScaler -----------------------------------------------------------------------------
@@ -209,3 +219,25 @@ def tensor_details(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
     if not rows:
         return torch.zeros((0, 5), dtype=dtype, device=out_device)
     return torch.stack(rows)
+
+
+def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                           out_device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The accelerator path of :func:`tensor_details`: a handful of ``torch._foreach_*`` calls over
+    all gradients at once, shape (n, 5). NaN/inf counts are not paid for here: they are -1
+    ("not counted"); the writer knows a gradient with a finite norm has none. No sync."""
+    if not grads:
+        return torch.zeros((0, 5), dtype=dtype, device=out_device)
+    grads, params = [local(g) for g in grads], [local(p) for p in params]  # DTensors: this rank's shard
+    device = grads[0].device
+    if (any(g.device != device or g.numel() == 0 for g in grads) or any(p.device != device for p in params)):
+        # rare (model parallel; an empty shard, whose inf-norm is undefined): per tensor
+        return tensor_details(grads, params, out_device, dtype)
+    grads = [g.detach() for g in grads]
+    amax = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
+    nonzero = torch.stack(torch._foreach_norm(grads, 0, dtype=torch.float32))
+    pnorm = torch.stack(torch._foreach_norm([p.detach() for p in params], 2, dtype=torch.float32))
+    numel = torch.tensor([g.numel() for g in grads], dtype=torch.float32).to(device, non_blocking=True)
+    unknown = torch.full_like(amax, -1.0)
+    rows = torch.stack([amax, unknown, unknown, numel - nonzero, pnorm], dim=1)
+    return rows.to(out_device, dtype, non_blocking=True)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from sqlite_utils import Database
 
 from . import schema
-from .packing import PackReader, Rows, StepPack
+from .record.packing import PackReader, Rows, StepPack
 
 log = logging.getLogger("ampwatch")
 

@@ -17,24 +17,24 @@ from pathlib import Path
 
 import torch
 
-from ampwatch.localize import Slot, StepRecords
-from ampwatch.packing import PackReader, StepPack
+from ampwatch.record import observe
+from ampwatch.record.packing import PackReader, StepPack
 from ampwatch.settings import DEFAULTS
 from ampwatch.writer import RunWriter, create_run_file
 
 
-def synthetic_records(n_modules: int, rng: random.Random) -> StepRecords:
-    """A healthy forward and backward as the hooks would record it (host floats, as on CPU)."""
-    rec = StepRecords()
+def synthetic_stats(n_modules: int, rng: random.Random) -> tuple[torch.Tensor, dict]:
+    """A healthy forward and backward as the hooks leave it: the stats buffer's bytes (fp16 output
+    and input-gradient slots filled) and the observer's step structure (ModuleObserver.take)."""
+    buffer = observe.StatsBuffer(observe.ROLES * n_modules, torch.device("cpu"))
+    fp16 = buffer.views[observe.DTYPE_INDEX[torch.float16]]
     for m in range(n_modules):
-        v = rng.uniform(0.5, 50.0)
-        rec.slots.append(Slot("float16", host=(-v, v, 0.0, 0.0)))
-        rec.calls.append((m, [len(rec.slots) - 2] if m else [], [len(rec.slots) - 1], 0))
-    for m in reversed(range(n_modules)):
-        v = rng.uniform(1.0, 1e4)
-        rec.slots.append(Slot("float16", host=(-v, v, 0.0, 0.0)))
-        rec.grads.append((len(rec.slots) - 1, [(m, "in")], 0))
-    return rec
+        for role, high in ((observe.OUT, 50.0), (observe.GIN, 1e4)):
+            v = rng.uniform(0.5, high)
+            fp16[observe.ROLES * m + role] = torch.tensor([-v, v])
+    loc = {"aliases": {}, "order": list(range(n_modules)), "counts": {}, "observed": True,
+           "micro_batches": 1, "first": False, "fp32": {}}
+    return torch.cat(buffer.as_bytes()), loc
 
 
 def run(steps: int, n_params: int, n_modules: int, layer_every: int, folder: Path) -> dict:
@@ -49,20 +49,22 @@ def run(steps: int, n_params: int, n_modules: int, layer_every: int, folder: Pat
                        layer_every)
     writer = RunWriter(str(path), packs, DEFAULTS["flush_every_s"])
     rng = random.Random(0)
-    records = synthetic_records(n_modules, rng)
+    stats, loc = synthetic_stats(n_modules, rng)
     ids = list(range(n_params))
     numel = {i: 4096 for i in ids}
     start = time.perf_counter()
     for step in range(steps):
         detail = step % layer_every == 0
         n = 2 + n_params + (5 * n_params if detail else 0)
-        flat = torch.rand(n, dtype=torch.float64)
+        scalars = torch.rand(n, dtype=torch.float64)
+        flat = torch.cat([scalars.view(torch.uint8), stats])
         layout = {"loss": (0, 1), "scale": (1, 1), "norms": (2, n_params)}
         if detail:
             layout["detail"] = (2 + n_params, 5 * n_params)
         writer.put_step(StepPack(step=step, time=time.time(), duration_s=0.1, lr=1e-3, micro_batches=1,
                                  skipped=False, flat=flat, layout=layout, norm_ids=ids,
-                                 detail_ids=ids if detail else [], param_numel=numel, loc=records))
+                                 detail_ids=ids if detail else [], param_numel=numel, loc=loc,
+                                 scalar_bytes=8 * n))
     queued = time.perf_counter() - start
     writer.close("finished", None)
     total = time.perf_counter() - start

@@ -19,3 +19,14 @@ def no_watch_left_open():
     for w in left:
         w.close()
     assert not left, f"test left {len(left)} watch(es) open"
+
+
+@pytest.fixture(params=["host", "accelerator"])
+def record_path(request, monkeypatch):
+    """Run a test on both recorder paths: the CPU's free host reads, and the accelerator path
+    (AMPWATCH_CPU_AS_ACCELERATOR=1: device-resident stats, foreach detail, no free reads)."""
+    if request.param == "accelerator":
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    else:
+        monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    return request.param

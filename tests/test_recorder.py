@@ -10,6 +10,9 @@ import torch
 import ampwatch
 from loops import amp_step, data, mlp, snapshot, changed, train
 
+# every recorder test runs on the CPU's free-read path and on the accelerator path (issue 9)
+pytestmark = pytest.mark.usefixtures("record_path")
+
 
 def storm_scaler(**kw):
     return torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=kw.pop("growth_interval", 5), **kw)

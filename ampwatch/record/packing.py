@@ -1,8 +1,9 @@
 """One optimizer step as the training thread hands it over, and its conversion to table rows.
 
-The training thread concatenates every device value of a step into one flat tensor (one transfer,
-made non-blocking on CUDA); the writer thread waits for it and turns it into rows here, so no
-per-value ``.item()`` ever runs on the training thread.
+The training thread concatenates every device value of a step into one flat byte tensor (the
+step's scalars in the pack dtype, then the module stats buffer): one transfer, made non-blocking on
+CUDA. The writer thread waits for it and turns it into rows here, so no per-value ``.item()`` ever
+runs on the training thread.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import localize
-from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from . import observe, origins
+from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 
 @dataclass
@@ -24,14 +25,17 @@ class StepPack:
     lr: Optional[float]
     micro_batches: int
     skipped: Optional[bool]            # known on the host (GradScaler skipped optimizer.step()), else None
-    flat: Optional[torch.Tensor]       # every device value of the step, on the CPU (maybe still in flight)
+    flat: Optional[torch.Tensor]       # every device value of the step as bytes, on the CPU (maybe in flight)
     ready: Any = None                  # CUDA event to wait on before reading ``flat``
     layout: dict[str, tuple[int, int]] = field(default_factory=dict)  # segment -> (offset, length)
     host_metrics: dict[str, float] = field(default_factory=dict)
     norm_ids: list[int] = field(default_factory=list)     # parameter ids of the 'norms' segment
     detail_ids: list[int] = field(default_factory=list)   # parameter ids of the 'detail' segment
     param_numel: dict[int, int] = field(default_factory=dict)
-    loc: Optional[localize.StepRecords] = None
+    loc: Optional[dict] = None         # the observer's structure for this step (ModuleObserver.take)
+    scalar_bytes: int = 0              # flat[:scalar_bytes] holds the scalars, the rest the module stats
+    pack_dtype: torch.dtype = torch.float64
+    exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
 
 
 @dataclass
@@ -83,7 +87,9 @@ class PackReader:
     def rows(self, pack: StepPack) -> Rows:
         if pack.ready is not None:
             pack.ready.synchronize()  # waits in the writer thread, never in training
-        values: list[float] = pack.flat.tolist() if pack.flat is not None else []
+        values: list[float] = []
+        if pack.flat is not None:
+            values = pack.flat[:pack.scalar_bytes].view(pack.pack_dtype).tolist()
 
         def seg(name: str) -> list[float]:
             off, n = pack.layout.get(name, (0, 0))
@@ -114,28 +120,34 @@ class PackReader:
         detail = self._details(pack, seg("detail"))
         if (pack.step % self.layer_every == 0 or skipped or bad_params) and norms:
             out.layers.extend(self._layer_rows(pack, norms, detail))
+        analysis = _Analysis(self, pack)
         for pid in bad_params:
             amax, nan, inf = detail.get(pid, (None, None, None, None, None))[:3]
             n = norms[pack.norm_ids.index(pid)]
-            count = int(nan + inf) if nan is not None else None
-            out.events.append((pack.step, "param_grad", self._grad_name(pack, pid, seg("loc")),
-                               _kind(nan or 0, inf or 0, n), count, _nullable(amax),
-                               self.param_dtypes[pid], 0, None, None, None, None))
+            if nan is None or nan < 0:  # counts not paid for (accelerator, not a known-bad step)
+                count, kind = None, "nan" if math.isnan(n) or (amax is not None and math.isnan(amax)) else "inf"
+            else:
+                count, kind = int(nan + inf), _kind(nan, inf, n)
+            out.events.append((pack.step, "param_grad", self._grad_name(analysis, pid), kind, count,
+                               _nullable(amax), self.param_dtypes[pid], 0, None, None, None, None))
         if loss is not None and not math.isfinite(loss):
-            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0, None, None, None, None))
+            out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0,
+                               None, None, None, None))
         if pack.loc is not None:
-            self._localization_rows(pack, seg("loc"), out)
+            self._localization_rows(pack, analysis, out)
         return out
 
-    def _grad_name(self, pack: StepPack, pid: int, device_values: list[float]) -> str:
+    def _grad_name(self, analysis: "_Analysis", pid: int) -> str:
         """The name of a parameter with a non-finite gradient; for a tied one, the name under the
         module whose backward produced it when the module hooks tell (issue 13: nanoGPT's
         ``lm_head.weight``, not ``transformer.wte.weight``, whose embedding runs in fp32)."""
         owners = self.tied.get(pid)
-        if not owners or pack.loc is None:
+        if not owners:
             return self.param_names[pid]
-        stats, _ = localize.analyse(pack.loc, localize.resolve_values(pack.loc, device_values), self.module_names)
-        return attribute_grad(owners, stats) or self.param_names[pid]
+        found = analysis.get(force=True)
+        if found is None:
+            return self.param_names[pid]
+        return attribute_grad(owners, found[1]) or self.param_names[pid]
 
     def _details(self, pack: StepPack, flat: list[float]) -> dict[int, tuple]:
         return {pid: tuple(flat[5 * i:5 * i + 5]) for i, pid in enumerate(pack.detail_ids)}
@@ -146,7 +158,9 @@ class PackReader:
         if detail and len(detail) == len(ids):
             cols = list(zip(*(detail[pid] for pid in ids)))
             amax, nan, inf, zero, pnorm = (list(c) for c in cols)
-            nonfinite = [int(a + b) for a, b in zip(nan, inf)]
+            # -1: not counted (foreach detail on an accelerator); a finite norm means none
+            nonfinite = [int(a + b) if a >= 0 else (0 if math.isfinite(n) else None)
+                         for a, b, n in zip(nan, inf, norms)]
             zero_frac = [z / (pack.param_numel.get(pid) or 1) for z, pid in zip(zero, ids)]
         else:
             amax = pnorm = nonfinite = zero_frac = [None] * len(ids)  # type: ignore[assignment]
@@ -157,26 +171,61 @@ class PackReader:
         return list(zip(ids, [step] * len(ids), _clean(norms), _clean(amax), _clean(pnorm),
                         nonfinite, zero_frac, mask))
 
-    def _localization_rows(self, pack: StepPack, device_values: list[float], out: Rows) -> None:
-        records = pack.loc
-        values = localize.resolve_values(records, device_values)
-        # Most steps are healthy and not detail steps: nothing to write, so skip the analysis.
-        if pack.step % self.layer_every and not localize.any_nonfinite(values):
+    def _localization_rows(self, pack: StepPack, analysis: "_Analysis", out: Rows) -> None:
+        # Most steps are healthy and not detail steps: nothing to write, so the analysis is skipped.
+        found = analysis.get(force=False)
+        if found is None:
             return
-        stats, origins = localize.analyse(records, values, self.module_names)
+        values, stats, where = found
+        loc = pack.loc
         has_events = any(s.nonfinite for s in stats.values())
-        into = localize.flows_into(records, values, self.module_names, origins) if has_events else {}
+        into = origins.flows_into(values, loc["aliases"], loc["order"], self.module_names, where) \
+            if has_events else {}
+        fp32_amax = loc.get("fp32") or {}
         for (module, phase), s in stats.items():
             if s.nonfinite:
-                origin = origins[phase] == module
-                fp32 = records.fp32_amax.get(module) if origin and phase == localize.FORWARD else None
-                out.events.append((pack.step, phase, self.module_names[module], _kind(s.nan, s.inf),
-                                   int(s.nan + s.inf), _nullable(s.amax), s.dtype, int(origin), s.micro_batch,
+                count = None if s.nan is None else int(s.nan + s.inf)  # type: ignore[operator]
+                kind = _kind(s.nan, s.inf) if s.nan is not None else ("nan" if s.kind_nan else "inf")
+                origin = where[phase] == module
+                fp32 = fp32_amax.get(module) if origin and phase == origins.FORWARD else None
+                out.events.append((pack.step, phase, self.module_names[module], kind, count,
+                                   _nullable(s.amax), s.dtype, int(origin), s.micro_batch,
                                    _nullable(fp32), None if fp32 is None else int(math.isnan(fp32)),
                                    into.get(phase) if origin else None))
             if has_events or pack.step % self.layer_every == 0:
-                out.modules.append((self.module_ids[module], 0 if phase == localize.FORWARD else 1,
+                out.modules.append((self.module_ids[module], 0 if phase == origins.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))
+
+
+class _Analysis:
+    """One step's module values and origin analysis, computed at most once and only when needed."""
+
+    def __init__(self, reader: PackReader, pack: StepPack) -> None:
+        self._reader, self._pack = reader, pack
+        self._values: Optional[dict] = None
+        self._result: Optional[tuple] = None
+
+    def get(self, force: bool) -> Optional[tuple[dict, dict, dict]]:
+        """(slot values, stats, origins), or None: nothing observed, or (unless ``force``) a
+        healthy step that is not a detail step."""
+        pack, reader = self._pack, self._reader
+        loc = pack.loc
+        if not loc or not loc["observed"] or pack.flat is None:
+            return None
+        if self._result is not None:
+            return self._result
+        if self._values is None:
+            slots = observe.ROLES * len(reader.module_names)
+            raw = pack.flat[pack.scalar_bytes:]
+            size = observe.stats_bytes(slots)
+            first = raw[size:].view(torch.float32).tolist() if loc.get("first") else None
+            self._values = origins.slot_values(observe.decode(raw, slots), loc["counts"], pack.exact_counts,
+                                               first, loc.get("micro_batches", 1))
+        if not force and pack.step % reader.layer_every and not origins.any_nonfinite(self._values):
+            return None
+        stats, found = origins.analyse(self._values, loc["aliases"], loc["order"], reader.module_names)
+        self._result = (self._values, stats, found)
+        return self._result
 
 
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -187,9 +236,9 @@ def attribute_grad(owners: list[tuple[int, str]], stats: dict) -> Optional[str]:
     the only owner whose input gradient was non-finite, else the only owner that ran in fp16/bf16
     (a weight gradient computed in fp32 from finite inputs does not overflow). None if unclear."""
     bad = [name for m, name in owners
-           if (s := stats.get((m, localize.BACKWARD))) is not None and s.nonfinite]
+           if (s := stats.get((m, origins.BACKWARD))) is not None and s.nonfinite]
     if len(bad) == 1:
         return bad[0]
     low = [name for m, name in owners
-           if (s := stats.get((m, localize.FORWARD))) is not None and s.dtype in _LOW_PRECISION]
+           if (s := stats.get((m, origins.FORWARD))) is not None and s.dtype in _LOW_PRECISION]
     return low[0] if len(low) == 1 else None

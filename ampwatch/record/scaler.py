@@ -1,0 +1,74 @@
+"""GradScaler hooks: ``scale``/``unscale_``/``step``/``update`` wrapped on that one instance.
+
+The wrappers call the original first (or around it) and hand the moments to the watch; a user's
+error from the scaler propagates untouched. ``unpatch`` restores exactly what was there, unless a
+later watch wrapped ours (then ours stays in its chain as a pass-through).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+METHODS = ("scale", "unscale_", "step", "update")
+_MISSING = object()
+
+
+class ScalerHooks:
+    def __init__(self, watch: Any, scaler: Any) -> None:
+        self.watch, self.scaler = watch, scaler
+        self._patched: dict[str, Any] = {}
+        self._wrappers: dict[str, Any] = {}
+        self.inside_step = False  # an unscale_ now comes from scaler.step, not from the user
+
+    def install(self) -> None:
+        for method in METHODS:
+            original = getattr(self.scaler, method)
+            self._patched[method] = self.scaler.__dict__.get(method, _MISSING)
+            wrapper = functools.partial(getattr(self, f"_{method}"), original)
+            self._wrappers[method] = wrapper
+            setattr(self.scaler, method, wrapper)
+
+    def unpatch(self) -> None:
+        for method, previous in self._patched.items():
+            if self.scaler.__dict__.get(method) is not self._wrappers.get(method):
+                continue  # another watch wrapped ours: unlinking would drop its wrapper
+            if previous is _MISSING:
+                self.scaler.__dict__.pop(method, None)
+            else:
+                setattr(self.scaler, method, previous)
+        self._patched.clear()
+        self._wrappers.clear()
+
+    def _live(self) -> bool:
+        return not (self.watch._failed or self.watch.closed)
+
+    def _scale(self, original: Any, outputs: Any) -> Any:
+        if isinstance(outputs, torch.Tensor) and self._live():
+            self.watch.on_scale(outputs)
+        return original(outputs)
+
+    def _unscale_(self, original: Any, optimizer: Any) -> None:
+        original(optimizer)
+        if optimizer is self.watch.optimizer and self._live():
+            self.watch.guarded(self.watch.on_unscaled)(self.inside_step)
+
+    def _step(self, original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        ours = optimizer is self.watch.optimizer and self._live()
+        if ours:
+            self.watch.guarded(self.watch.before_scaler_step)()
+        self.inside_step = ours
+        try:
+            result = original(optimizer, *args, **kwargs)
+        finally:
+            self.inside_step = False
+        if ours:
+            self.watch.guarded(self.watch.after_scaler_step)()
+        return result
+
+    def _update(self, original: Any, new_scale: Any = None) -> None:
+        before = self.watch.guarded(self.watch.before_update)() if self._live() else None
+        original(new_scale)
+        if before is not None:
+            self.watch.guarded(self.watch.end_step)(*before)

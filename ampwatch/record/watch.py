@@ -1,0 +1,371 @@
+"""Watch: attaches to an unchanged training loop and records every optimizer step.
+
+The step is learned from the scaler's own calls (:mod:`.scaler`) and from optimizer step hooks;
+nothing is asked of the loop. Gradients are measured by :mod:`.grads`, modules observed by
+:mod:`.observe`, and the step is handed over as one flat byte tensor (one transfer) by
+:mod:`.step`; the writer thread does the rest.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import sys
+import time
+import traceback
+import warnings
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from .. import clipwatch, probes
+from ..backward import BackwardEnd
+from ..runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
+from ..settings import resolve
+from ..writer import RunWriter
+from .grads import GradMeter, inverse
+from .observe import ModuleObserver
+from .scaler import ScalerHooks
+from .step import StepState, pack_step
+
+log = logging.getLogger("ampwatch")
+if not log.handlers:  # say once where the run goes, even when the user configured no logging
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("ampwatch: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Accelerate/Lightning wrap the optimizer; GradScaler is handed the inner one, so hook that."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"ampwatch.attach: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return optimizer
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile(model)`` returns an OptimizedModule: hook the module it compiles, so the hooks
+    are traced into its graph (on its next call Dynamo recompiles once with them)."""
+    return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+
+
+class Watch:
+    """A recording in progress. Use :func:`ampwatch.attach` to make one; close it (or use ``with``)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, scaler: Any = None, *,
+                 path: Optional[str] = None, name: Optional[str] = None,
+                 config: Optional[dict] = None, **options: Any) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ampwatch.attach: model must be a torch.nn.Module, got {type(model).__name__}")
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"ampwatch.attach: config must be a dict, got {type(config).__name__}")
+        self.options = resolve(options)
+        self.model, self.optimizer, self.scaler = model, _unwrap_optimizer(optimizer), scaler
+        self.closed = False
+        self._failed = False
+        self._handles: list[Any] = []
+        self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
+        self._clip_noticed = False         # the clip-before-unscale notice is written once per run
+        self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
+        self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
+        self._trigger: Optional[BackwardEnd] = None
+        self._params, names = parameter_table(model, self.optimizer)
+        self._param_numel = {i: probes.local(p).numel() for i, p in enumerate(self._params)}  # this rank's
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._pack_dtype = probes.pack_dtype(self._device)
+        self._fused = probes.steps_inside_kernel(self.optimizer)
+        self.grads = GradMeter(self._params, self._device, self._pack_dtype)
+        self.state = StepState(time.time())
+        self.step = 0
+        self.observer: Optional[ModuleObserver] = None
+        self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
+        info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
+        self.path, note = resolve_path(path, info["name"], info["rank"], info["world_size"],
+                                       self.options["overwrite"])
+        if note:
+            log.info("%s", note)
+        info["loss_definition"] = "scaled-sum" if scaler is not None else "logged-mean"
+        info["name"] = info["name"] or self.path.stem
+        self.name = info["name"]
+        try:
+            self._open_writer(info, names)
+        except Exception as exc:  # unwritable directory, full disk: training goes on unrecorded
+            self._fail(exc)
+            return
+        self._install()
+        _open_watches.add(self)
+
+    @property
+    def localizer(self) -> Optional[ModuleObserver]:  # the old name, kept for callers
+        return self.observer
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _open_writer(self, info: dict, names: list[dict]) -> None:
+        from ..writer import create_run_file
+        from .packing import PackReader
+        module_names: list[str] = []
+        if self.options["localize"]:
+            self.observer = ModuleObserver(_uncompiled(self.model), self._device)
+            module_names = self.observer.names
+            if self.options["fp32_check"]:
+                from ..counterfactual import InputKeeper
+                self.observer.keeper = InputKeeper(self.observer)
+        shared = module_aliases(_uncompiled(self.model)) if module_names else {}
+        tensors = list(names) + [
+            {"id": len(names) + i, "kind": "module", "name": n, "type": t,
+             "aliases": json.dumps(shared[n]) if n in shared else None}
+            for i, (n, t) in enumerate(zip(module_names, self.observer.types if self.observer else []))
+        ]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_run_file(str(self.path), info, tensors)
+        tied = tied_owners(_uncompiled(self.model), self._params, module_names) if module_names else {}
+        packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
+                           [len(names) + i for i in range(len(module_names))], module_names,
+                           self.options["layer_every"], tied)
+        self.writer = RunWriter(str(self.path), packs, self.options["flush_every_s"])
+        log.info("recording to %s", self.path)
+
+    def _install(self) -> None:
+        opt, model = self.optimizer, _uncompiled(self.model)
+        self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
+        self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
+        # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
+        # the children look too. They stay until close (a no-op after the first step): removing a hook
+        # would make torch.compile recompile the model
+        self._handles.extend(m.register_forward_pre_hook(_AutocastProbe(self)) for m in (model, *model.children()))
+        self._trigger = BackwardEnd(model, self._params, self.guarded(self._on_backward),
+                                    self.guarded(self._on_backward_end))
+        if self._scaler_hooks is not None:
+            self._scaler_hooks.install()
+        clipwatch.listen(self)
+
+    def guarded(self, fn: Any) -> Any:
+        """``fn`` made safe for training: an internal failure warns once and stops recording."""
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            if self._failed or self.closed:
+                return None
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                self._fail(exc)
+            return None
+        return hook
+
+    def _fail(self, exc: BaseException) -> None:
+        """Recording must never take training down: warn once, stop recording (strict: raise)."""
+        if self.options.get("strict"):
+            raise exc
+        if not self._failed:
+            self._failed = True
+            warnings.warn(f"ampwatch stopped recording {str(getattr(self, 'path', ''))!r}: "
+                          f"{type(exc).__name__}: {exc}. Training continues.", RuntimeWarning, stacklevel=3)
+        if self.observer is not None:
+            self.observer.remove()
+
+    def _detail_step(self) -> bool:
+        return self.step % self.options["layer_every"] == 0
+
+    def on_autocast(self) -> None:
+        if self._amp_seen or self.step or self._failed or self.closed:
+            return
+        kind = self._device.type
+        try:
+            if torch.is_autocast_enabled(kind):
+                self._amp_seen = True
+                self.writer.put_info(amp_dtype=str(torch.get_autocast_dtype(kind)).replace("torch.", ""))
+        except (TypeError, RuntimeError, AttributeError):
+            self._amp_seen = True
+
+    def on_clip(self, parameters: Any, max_norm: Any) -> None:
+        """clipwatch: a clip call on (some of) our parameters; remember its threshold. No sync."""
+        self.guarded(self._on_clip)(parameters, max_norm)  # inside the user's clip call: never raises
+
+    def _on_clip(self, parameters: Any, max_norm: Any) -> None:
+        first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
+        if id(first) not in self._param_index:
+            return  # another model's clip
+        if isinstance(max_norm, torch.Tensor):
+            if not probes.reads_are_free(max_norm.device):
+                return  # reading it would sync; the dashboard falls back to the config keys
+            max_norm = max_norm.item()
+        if not isinstance(max_norm, (int, float)) or max_norm == self._max_norm:
+            return
+        max_norm = float(max_norm)
+        if self._max_norm is not None:
+            self.writer.put_notice(self.step, "clip-threshold-changed",
+                                   f"clip_grad_norm_ max_norm changed from {self._max_norm:g} to {max_norm:g}")
+        self._max_norm = max_norm
+        self.writer.put_info(clip_max_norm=max_norm)
+
+    # -- backward ---------------------------------------------------------------------------------
+    def _on_backward(self) -> None:  # BackwardEnd: a backward pass reached the model (once per pass)
+        self.state.backwards += 1
+
+    def _on_backward_end(self) -> None:
+        """Measure gradients as backward leaves them: before any user clipping, with or without a
+        scaler (dividing by the scale they carry). With accumulation the last micro-batch wins."""
+        scaling = self.scaler is not None and probes.scaler_enabled(self.scaler)
+        if scaling and probes.optimizer_stage_unscaled(self.scaler, self.optimizer):
+            return  # backward after unscale_ (unusual): leave it to the step-time measurement
+        scale = probes.scale_tensor(self.scaler) if scaling else None
+        if scaling and scale is None:
+            return
+        self.grads.reset()
+        self.grads.measure(self._detail_step(), None if scale is None else inverse(scale))
+        self.grads.at_backward = True
+
+    # -- scaler moments (called by ScalerHooks) ---------------------------------------------------------
+    def on_scale(self, outputs: torch.Tensor) -> None:
+        self.state.losses.append(outputs.detach())
+        self.state.scale_calls += 1
+
+    def on_unscaled(self, inside_step: bool) -> None:
+        if inside_step and not self._clip_noticed and self._detail_step():  # the user did not unscale_ first
+            shrank = self.grads.shrank()
+            if shrank is not None:
+                self._clip_noticed = True
+                self.writer.put_notice(self.step, "clip-before-unscale",
+                                       f"gradients shrank {shrank[0] / shrank[1]:.3g}x between backward and "
+                                       f"scaler.step without scaler.unscale_: clipped while still scaled?")
+        self.grads.measure(self._detail_step())
+
+    def before_scaler_step(self) -> None:
+        if self.state.scaler_stepped:  # step() twice without update(): close the previous step ourselves
+            self.writer.put_notice(self.step, "step-without-update",
+                                   "scaler.step() was called again before scaler.update()")
+            self.end_step(None, None)
+        self.state.scaler_stepped = True
+        if (self._fused and probes.scaler_enabled(self.scaler)
+                and not probes.optimizer_stage_unscaled(self.scaler, self.optimizer)):
+            # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
+            scale = probes.scale_tensor(self.scaler)
+            if scale is not None:
+                self.grads.measure(self._detail_step(), inv_scale=inverse(scale))
+
+    def after_scaler_step(self) -> None:
+        skipped = probes.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
+        if skipped:
+            # known without a sync: GradScaler did not call optimizer.step(). A bad step: pay for counts.
+            self.grads.measure(self._detail_step())
+            self.grads.measure_detail(None)
+        self._fp32_check(skipped)
+
+    def _fp32_check(self, skipped: bool) -> None:
+        """The fp32 recompute of a forward origin (counterfactual.py), before weights change."""
+        if self.observer is not None and self.observer.keeper is not None:
+            from ..counterfactual import check_step
+            check_step(self.observer, skipped)
+
+    def before_update(self) -> Optional[tuple]:
+        if not self.state.scaler_stepped:
+            return None
+        if not probes.scaler_enabled(self.scaler):
+            return None, None
+        # the scale this step's grads carried, and the inf flags: device tensors, no sync
+        return probes.scale_tensor(self.scaler), probes.found_inf(self.scaler, self.optimizer)
+
+    # -- optimizer hooks --------------------------------------------------------------------------
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.state.stepped = True
+        self.grads.measure(self._detail_step())
+        self._fp32_check(False)
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.scaler is None:
+            self.end_step(None, None)
+
+    # -- step end -----------------------------------------------------------------------------------
+    def end_step(self, scale: Optional[torch.Tensor], found: Optional[torch.Tensor]) -> None:
+        now = time.time()
+        self.writer.put_step(pack_step(self, scale, found, now))
+        if self.writer.failure is not None:
+            raise RuntimeError(f"writer failed: {self.writer.failure}")
+        self.step += 1
+        self.grads.reset()
+        self.state = StepState(now, previous=self.state)
+
+    # -- public API -----------------------------------------------------------------------------------
+    def log(self, **scalars: Any) -> None:
+        """Record extra scalars for the current step (tensors are not read here: no sync).
+
+        Without a scaler, ``watch.log(loss=loss)`` is how the loss arrives. With one, the step's loss
+        is the sum of what ``scaler.scale()`` saw over its micro-batches (with ``loss / k`` for
+        accumulation: the mean micro-batch loss); logged losses replace it (their mean).
+        """
+        if self._failed or self.closed:
+            return
+        for key, value in scalars.items():
+            if key == "loss" and isinstance(value, (torch.Tensor, float, int)):
+                self.state.logged_losses.append(value.detach() if isinstance(value, torch.Tensor)
+                                                else torch.tensor(float(value), device=self._device))
+            else:
+                self.state.metrics[key] = value
+
+    def close(self, *, status: str = "finished", error: Optional[str] = None) -> None:
+        """Flush, mark the run ended and remove every hook and patch. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        _open_watches.discard(self)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        clipwatch.stop(self)
+        if self._trigger is not None:
+            self._trigger.remove()
+        if self._scaler_hooks is not None:
+            self._scaler_hooks.unpatch()
+        if self.observer is not None:
+            self.observer.remove()
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            writer.close(status, error)
+            if writer.failure is not None and not self._failed:
+                self._fail(writer.failure)
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.close(status="crashed", error="".join(traceback.format_exception(exc_type, exc, tb)))
+
+    def __repr__(self) -> str:
+        return f"<ampwatch.Watch {self.name!r} step={self.step} path={str(self.path)!r}>"
+
+
+class _AutocastProbe:
+    """Forward pre-hook of the first step: which autocast dtype is on. Holds the watch weakly and
+    reads no module state, so Dynamo traces it as a no-op when the model is compiled."""
+
+    def __init__(self, watch: Watch) -> None:
+        self._watch = weakref.ref(watch)
+
+    def __call__(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        watch = self._watch()
+        if watch is not None and not watch._amp_seen and not watch.step:
+            watch.guarded(watch.on_autocast)()
+
+
+_open_watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    crashed = getattr(sys, "last_value", None)
+    for watch in list(_open_watches):
+        if crashed is not None:
+            error = "".join(traceback.format_exception(type(crashed), crashed, crashed.__traceback__))
+            watch.close(status="crashed", error=error)
+        else:
+            watch.close()

@@ -1,0 +1,143 @@
+"""Issue 9: recording under torch.compile (aot_eager: inductor compiles too slowly on 2 cores).
+
+Ground truth is the eager run of the same model and data: the compiled run must record the same
+steps, skips, scales and norms, localize the same injected faults, add no graph break and no
+graph, and leave the losses bitwise unchanged."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.nn import functional as F
+
+import ampwatch
+
+
+class Amplify(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e6
+
+
+class BackwardBomb(nn.Module):
+    """Parameter-free; finite forward, but multiplies the gradient flowing back by 1e6."""
+
+    def forward(self, x):
+        return Amplify.apply(x)
+
+
+class Net(nn.Module):
+    def __init__(self, bomb: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.GELU()
+        self.bomb = BackwardBomb() if bomb else nn.Identity()
+        self.fc2 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.fc2(self.bomb(self.act(self.fc1(x)))) + x[:, :32].sum(1, keepdim=True))
+
+
+def run(tmp_path, name, *, compiled, watched, attach_after=False, fault_step=None, bomb=False, steps=4):
+    torch._dynamo.reset()
+    counters.clear()
+    model = Net(bomb)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    watch = None
+    if watched and not attach_after:
+        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=2)
+    net = torch.compile(model, backend="aot_eager") if compiled else model
+    if watched and attach_after:
+        watch = ampwatch.attach(net, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        if step == fault_step:
+            with torch.no_grad():
+                model.fc2.weight.mul_(1e6)  # fp16 output > 65504 from here on
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = net(x)
+        loss = F.mse_loss(out.float(), y)
+        losses.append(loss.detach().clone())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    if watch is not None:
+        watch.close()
+        return ampwatch.load(watch.path), losses, breaks, graphs
+    return None, losses, breaks, graphs
+
+
+def _same_record(a, b):
+    cols = ["step", "loss_scale", "skipped", "micro_batches"]
+    assert a.steps["loss"].fillna(-1).tolist() == pytest.approx(b.steps["loss"].fillna(-1).tolist(), rel=1e-6)
+    assert a.steps[cols].equals(b.steps[cols])
+    assert a.steps["grad_norm"].fillna(-1).tolist() == pytest.approx(b.steps["grad_norm"].fillna(-1).tolist(), rel=1e-5)
+
+
+@pytest.mark.parametrize("attach_after", [False, True], ids=["attach-then-compile", "compile-then-attach"])
+def test_compiled_run_records_what_eager_records_without_graph_breaks(tmp_path, attach_after):
+    eager, eager_losses, _, _ = run(tmp_path, "eager", compiled=False, watched=True)
+    plain, plain_losses, _, plain_graphs = run(tmp_path, "plain", compiled=True, watched=False)
+    comp, comp_losses, breaks, graphs = run(tmp_path, "comp", compiled=True, watched=True, attach_after=attach_after)
+    assert breaks == {} and graphs == plain_graphs
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, comp_losses))  # attaching changes nothing
+    _same_record(eager, comp)
+    assert len(comp.modules) and set(comp.modules["module"]) == set(eager.modules["module"])
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_compiled_run_localizes_like_eager(tmp_path, kind, monkeypatch):
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes
+    opts = {"fault_step": 2} if kind == "forward" else {"bomb": True}
+    eager, _, _, _ = run(tmp_path, "eager", compiled=False, watched=True, **opts)
+    comp, _, breaks, _ = run(tmp_path, "comp", compiled=True, watched=True, **opts)
+    assert breaks == {}
+    cols = ["step", "phase", "module", "origin"]
+    origins = eager.events[eager.events.origin][cols].reset_index(drop=True)
+    assert len(origins) and origins.equals(comp.events[comp.events.origin][cols].reset_index(drop=True))
+    first = origins[origins.phase == kind].iloc[0]
+    assert first["module"] == ("fc2" if kind == "forward" else "bomb")
+    assert first["step"] == (2 if kind == "forward" else 0)
+    _same_record(eager, comp)
+
+
+def test_attach_to_a_compiled_model_that_already_ran(tmp_path):
+    """The old failure: attaching after the compiled model ran raised inside Dynamo. Now it recompiles
+    once with the hooks and records the rest of the run; training is unchanged."""
+    _, plain_losses, _, _ = run(tmp_path, "plain", compiled=True, watched=False)
+    torch._dynamo.reset()
+    counters.clear()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    net = torch.compile(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    losses, watch = [], None
+    for step in range(4):
+        if step == 1:
+            watch = ampwatch.attach(net, opt, scaler, path=str(tmp_path / "late.sqlite"))
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(net(x).float(), y)
+        losses.append(loss.detach().clone())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    watch.close()
+    assert dict(counters["graph_break"]) == {}
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+    assert len(ampwatch.load(watch.path).steps) == 3
