@@ -69,6 +69,8 @@ def test_real_fp16_overflow_on_cuda_is_localized(tmp_path, compiled):
                     compiled=compiled)
     ev = run.events
     origin = ev[ev.origin & (ev.phase == "forward")]
-    assert list(origin["module"]) == ["2"] and list(origin["step"]) == [2]
+    # the scaled weights stay scaled (the skipped step does not update them): every later step
+    # overflows again, in the same module
+    assert set(origin["module"]) == {"2"} and list(origin["step"]) == [2, 3]
     assert origin["dtype"].iloc[0] == "float16" and origin["count"].isna().all()  # counts: not paid on CUDA
     assert run.steps.set_index("step").loc[2, "skipped"]

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .. import probes
+from .batched import BatchedReducer
 
 IN, OUT, GIN, GOUT = range(4)
 ROLES = 4
@@ -171,6 +172,9 @@ class ModuleObserver:
         _BUFFERS[self._id] = self.buffer.views
         self._reads_free = probes.reads_are_free(device)
         self._host = [_numpy_view(v) if self._reads_free else None for v in self._views]
+        # accelerator path: reductions batched per chunk (batched.py), not one launch per tensor
+        self._batch = None if self._reads_free else BatchedReducer(len(DTYPES))
+        self._inplace: set[int] = set()  # modules whose output is their input (ReLU(inplace=True))
         self.active = True
         # learned structure: (module, call, position) of an input -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int], int] = {}
@@ -205,6 +209,8 @@ class ModuleObserver:
 
     def take(self) -> dict:
         """The step's structure for the host (the stats themselves travel in the step's buffer)."""
+        if self._batch is not None:
+            self._batch.fold_into(self._views)
         if self._learning and self._calls:
             self.order = list(dict.fromkeys(self._finish))
             self._learned_calls = self._calls
@@ -233,6 +239,8 @@ class ModuleObserver:
         """Root call ``finished + 1`` starts: slots non-finite by now and not yet marked went bad in
         micro-batch ``finished``. A slot is bad when min < -inf is false or max < inf is false (NaN
         compares false); an unwritten slot (+inf, -inf) is not. Eager (root hooks are), no sync."""
+        if self._batch is not None:  # the pending reductions belong to the micro-batch that ended
+            self._batch.fold_into(self._views)
         if self._first is None:
             self._first = torch.full((self.slots,), -1.0, dtype=torch.float32, device=self._views[0].device)
         ok = None
@@ -246,6 +254,8 @@ class ModuleObserver:
         """The forward origin of the step so far (module index), or None. Reads the stats buffer: a
         sync where reads are not free, so callers ask only on steps known to be bad."""
         from . import origins
+        if self._batch is not None:
+            self._batch.fold_into(self._views)
         raw = torch.cat(self.buffer.as_bytes()).cpu()
         values = origins.slot_values(decode(raw, self.slots), self.counts, self._reads_free)
         if not origins.any_nonfinite(values):
@@ -257,6 +267,8 @@ class ModuleObserver:
         """Remove every hook; gradient hooks still pending on live tensors become no-ops."""
         self.active = False
         _BUFFERS.pop(self._id, None)
+        if self._batch is not None:
+            self._batch.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -276,6 +288,10 @@ class ModuleObserver:
             t = probes.local(t)
             if t.numel() == 0:
                 return False
+        if self._batch is not None:  # accelerator path: reduced with its chunk (batched.py)
+            self._written.add(slot * 4 + d)
+            self._batch.add(d, t, slot)
+            return False
         key = slot * 4 + d
         views = self._slot_views.get(key)
         if views is None:  # made once per (slot, dtype): indexing costs microseconds per call
@@ -319,6 +335,8 @@ class ModuleObserver:
                 self._write(t, base + IN)
                 self._watch_grad(t, base + GIN)
             return
+        if index in self._inplace and self._batch is not None:
+            self._batch.flush()  # it is about to overwrite a tensor that may still be pending
         if index == 0:  # the root: a new micro-batch
             if self.root_calls:
                 self._mark_micro_batch(self.root_calls - 1)
@@ -344,7 +362,10 @@ class ModuleObserver:
             return
         base = ROLES * index
         bad = False
-        for t in _tensor_list(output):
+        outputs = _tensor_list(output)
+        if not _compiling() and self._learning and any(o is a for o in outputs for a in _tensor_list(args)):
+            self._inplace.add(index)
+        for t in outputs:
             bad = self._write(t, base + OUT) or bad
             self._watch_grad(t, base + GOUT)
             if not _compiling() and self._learning:
