@@ -1,0 +1,92 @@
+"""The accelerator path's batched reductions (ampwatch/record/batched.py) against a plain ground truth.
+
+Real tensors through the real BatchedReducer and stats views; the truth is max |x| per slot computed
+tensor by tensor with torch.amax (NaN propagates, inf stays). Covers chunk flushes, slots observed
+several times in a step, NaN and inf, every floating dtype, and maxima that arrive in another dtype
+than the slot's (CUDA's _foreach_norm answers half tensors in float).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ampwatch.record import batched
+from ampwatch.record.observe import DTYPE_INDEX, DTYPES, StatsBuffer
+
+
+def _truth(observed: list[tuple[torch.Tensor, int]], slots: int) -> dict[tuple[int, int], float]:
+    out: dict[tuple[int, int], float] = {}
+    for t, slot in observed:
+        key = (DTYPE_INDEX[t.dtype], slot)
+        a = float(t.detach().abs().amax().float())
+        prev = out.get(key, -math.inf)
+        out[key] = math.nan if math.isnan(a) or math.isnan(prev) else max(prev, a)
+    return out
+
+
+def _read(buffer: StatsBuffer) -> dict[tuple[int, int], tuple[float, float]]:
+    return {(d, s): (float(v[s, 0].float()), float(v[s, 1].float()))
+            for d, v in enumerate(buffer.views) for s in range(v.shape[0])}
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_folded_maxima_equal_per_tensor_amax(monkeypatch, chunk):
+    monkeypatch.setattr(batched, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    slots = 12
+    buffer = StatsBuffer(slots, torch.device("cpu"))
+    reducer = batched.BatchedReducer(len(DTYPES))
+    observed = []
+    for i in range(40):
+        dtype = DTYPES[i % len(DTYPES)]
+        t = (torch.randn(5, 7, generator=g) * (i + 1)).to(dtype)
+        if i == 9:
+            t[2, 3] = float("nan")
+        if i == 14:
+            t[0, 0] = -float("inf")
+        slot = i % slots  # every slot observed several times, some in several dtypes
+        observed.append((t, slot))
+        reducer.add(DTYPE_INDEX[dtype], t, slot)
+    reducer.fold_into(buffer.views)
+    truth, got = _truth(observed, slots), _read(buffer)
+    for (d, s), (lo, hi) in got.items():
+        if (d, s) in truth:
+            assert _same(hi, truth[(d, s)]) and _same(lo, -truth[(d, s)]), (DTYPES[d], s, lo, hi, truth[(d, s)])
+        else:  # never observed: still the empty slot
+            assert (lo, hi) == (math.inf, -math.inf)
+    # the NaN and the -inf are in the slots they were observed in, of their own dtype
+    assert math.isnan(got[(DTYPE_INDEX[DTYPES[9 % 4]], 9)][1])
+    assert got[(DTYPE_INDEX[DTYPES[14 % 4]], 14 % slots)][1] == math.inf
+
+
+def test_a_second_step_combines_with_what_the_buffer_holds():
+    buffer = StatsBuffer(4, torch.device("cpu"))
+    reducer = batched.BatchedReducer(len(DTYPES))
+    d = DTYPE_INDEX[torch.float16]
+    reducer.add(d, torch.tensor([1.0, -3.0], dtype=torch.float16), 2)
+    reducer.fold_into(buffer.views)  # a micro-batch ends
+    reducer.add(d, torch.tensor([2.0], dtype=torch.float16), 2)
+    reducer.add(d, torch.tensor([0.5], dtype=torch.float16), 1)
+    reducer.fold_into(buffer.views)
+    v = buffer.views[d]
+    assert v[2].tolist() == [-3.0, 3.0] and v[1].tolist() == [-0.5, 0.5]
+
+
+def test_maxima_in_another_dtype_are_cast_to_the_slot_dtype():
+    # what CUDA's _foreach_norm gives for half tensors: float answers
+    buffer = StatsBuffer(3, torch.device("cpu"))
+    reducer = batched.BatchedReducer(len(DTYPES))
+    d = DTYPE_INDEX[torch.float16]
+    reducer._values[d].extend([torch.tensor(70000.0), torch.tensor(3.5)])
+    reducer._slots[d].extend([0, 2])
+    reducer.fold_into(buffer.views)
+    v = buffer.views[d]
+    assert v.dtype == torch.float16
+    assert v[0].tolist() == [-math.inf, math.inf]  # beyond fp16's range: an overflow, as on the device
+    assert v[2].tolist() == [-3.5, 3.5]
