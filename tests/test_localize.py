@@ -270,3 +270,37 @@ def test_event_names_the_micro_batch_that_overflowed(tmp_path, record_path, bad)
     assert set(backward["micro_batch"]) <= {bad}
     assert ev[ev.phase.isin(["param_grad", "loss"])]["micro_batch"].isna().all()
     assert run.steps.set_index("step").loc[2, "skipped"] and run.steps["micro_batches"].tolist() == [3] * 4
+
+
+class Block(nn.Module):
+    """A container whose own code, between its two children, breaks the value (forward) or the
+    gradient (backward): the origin is the container, and the child it flows into is named."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * 1e6 if self.kind == "forward" else HugeGrad.apply(h)  # fp16: inf either way
+        return self.b(h)
+
+
+@pytest.mark.parametrize("kind, into", [("forward", "blk.b"), ("backward", "blk.a")])
+def test_origin_in_a_containers_own_code_names_the_child_it_flows_into(tmp_path, record_path, kind, into):
+    """Issue 10's ``flows_into`` from the static slots: forward, the first child (finish order) with a
+    non-finite input; backward, the first child (reverse order) with a non-finite output gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("pre", nn.Linear(16, 16))  # so the block's input carries a gradient
+    model.add_module("blk", Block(kind))
+    model.add_module("head", nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        x, y = data(0)
+        amp_step(model, opt, scaler, x, y)
+    ev = ampwatch.load(watch.path).events
+    origin = ev[ev.origin & (ev.phase == kind)]
+    assert origin[["module", "flows_into"]].values.tolist() == [["blk", into]]
+    assert ev.loc[~ev.origin, "flows_into"].isna().all()

@@ -86,13 +86,8 @@ class Watch:
         self.observer: Optional[ModuleObserver] = None
         self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
-        self.path, note = resolve_path(path, info["name"], info["rank"], info["world_size"],
-                                       self.options["overwrite"])
-        if note:
-            log.info("%s", note)
         info["loss_definition"] = "scaled-sum" if scaler is not None else "logged-mean"
-        info["name"] = info["name"] or self.path.stem
-        self.name = info["name"]
+        self._place(path, info)
         try:
             self._open_writer(info, names)
         except Exception as exc:  # unwritable directory, full disk: training goes on unrecorded
@@ -100,6 +95,15 @@ class Watch:
             return
         self._install()
         _open_watches.add(self)
+
+    def _place(self, path: Optional[str], info: dict) -> None:
+        """Where the run goes (an explicit existing path is refused unless overwrite=True) and its name."""
+        self.path, note = resolve_path(path, info["name"], info["rank"], info["world_size"],
+                                       self.options["overwrite"])
+        if note:
+            log.info("%s", note)
+        info["name"] = info["name"] or self.path.stem
+        self.name = info["name"]
 
     @property
     def localizer(self) -> Optional[ModuleObserver]:  # the old name, kept for callers
