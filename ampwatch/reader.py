@@ -120,7 +120,7 @@ def _modules(df: pd.DataFrame) -> pd.DataFrame:
 def _events(df: pd.DataFrame) -> pd.DataFrame:
     df["origin"] = df["origin"].astype(bool)
     df["amax"] = df["amax"].astype(float)
-    df["micro_batch"] = df["micro_batch"].astype(object).where(df["micro_batch"].notna(), None)
+    df["micro_batch"] = df["micro_batch"].astype("Int64")  # NULL (per-step events, old files) reads <NA>
     # SQLite keeps NaN as NULL: fp32_nan tells a NaN recompute from "not recomputed" (None).
     nan = df.pop("fp32_nan").fillna(0).astype(int).to_numpy() == 1
     df["fp32_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
