@@ -21,17 +21,9 @@ import torch
 from . import probes
 
 
-def _outputs(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def _outputs(obj: Any) -> Iterator[torch.Tensor]:
     """Tensors that carry gradient inside a module's output (tuples, lists, dicts, HF outputs)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad and obj.grad_fn is not None:
-            yield obj
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _outputs(item, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from _outputs(item, depth + 1)
+    return (t for t in probes.nested_tensors(obj) if t.requires_grad and t.grad_fn is not None)
 
 
 class BackwardEnd:

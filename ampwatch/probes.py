@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -241,3 +241,16 @@ def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch
     unknown = torch.full_like(amax, -1.0)
     rows = torch.stack([amax, unknown, unknown, numel - nonzero, pnorm], dim=1)
     return rows.to(out_device, dtype, non_blocking=True)
+
+
+def nested_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor inside a module's inputs or outputs: a tensor, or tuples, lists and dicts of
+    them (HF's ModelOutput is a dict) up to three levels deep."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from nested_tensors(item, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from nested_tensors(item, depth + 1)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -110,6 +111,10 @@ def main() -> None:
     parser.add_argument("--layer-every", default="20", help="comma-separated layer_every values")
     args = parser.parse_args()
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
+    # both variants compile the same class: without hook guards (Dynamo's default skips them) the
+    # watched copy would reuse the plain copy's code, hooks left out (ampwatch sets this at attach,
+    # too late for a copy compiled before it)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config()).cuda()

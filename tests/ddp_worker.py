@@ -11,12 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def worker(rank: int, world: int, out: str, port: str) -> None:
     import ampwatch
-    from loops import amp_step, data, mlp
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    model = torch.nn.parallel.DistributedDataParallel(mlp())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    from loops import amp_step, data, gloo_ddp_mlp
+    model, opt = gloo_ddp_mlp(rank, world, port)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=3)
     path = os.path.join(out, "ddp.sqlite")  # no {rank}: ampwatch adds it under world_size > 1
     with ampwatch.attach(model, opt, scaler, path=path, config={"world": world}):

@@ -15,12 +15,8 @@ STEPS, BAD_STEP, BAD_RANK, WORLD = 8, 5, 2, 4
 
 def worker(rank: int, world: int, out: str, port: str) -> None:
     import ampwatch
-    from loops import data, mlp
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    model = torch.nn.parallel.DistributedDataParallel(mlp())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    from loops import data, gloo_ddp_mlp
+    model, opt = gloo_ddp_mlp(rank, world, port)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)  # low: no warm-up overflow to confuse
     with ampwatch.attach(model, opt, scaler, path=os.path.join(out, "ddp.sqlite")):
         for i in range(STEPS):

@@ -13,6 +13,19 @@ def mlp(seed: int = 0, width: int = 32) -> nn.Module:
     return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
 
 
+def gloo_ddp_mlp(rank: int, world: int, port: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """One rank of a test job: a gloo process group on localhost, one torch thread, DDP over
+    :func:`mlp`, SGD."""
+    import os
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(mlp())
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
 def data(seed: int = 0, n: int = 64):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)

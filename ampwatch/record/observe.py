@@ -82,17 +82,11 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Floating-point tensors inside a module's inputs/outputs (tuples, lists, dicts, HF outputs)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dtype in DTYPE_INDEX and obj.numel() > 0:
-            yield obj
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
+    for t in probes.nested_tensors(obj):  # a plain generator, as Dynamo traces it in compiled hooks
+        if t.dtype in DTYPE_INDEX and t.numel() > 0:
+            yield t
 
 
 def _numpy_view(t: torch.Tensor) -> Any:

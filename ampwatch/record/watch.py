@@ -54,6 +54,16 @@ def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
 
 
+def _guard_module_hooks() -> None:
+    """Make Dynamo guard on module hooks from now on. By default it does not
+    (``skip_nnmodule_hook_guards``): code compiled for another instance of the same class, say an
+    unwatched copy of the model, would then be reused for this one with none of ampwatch's hooks in
+    it, and nothing inside the model would be observed. The guards cost a few dict checks per call."""
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    if config is not None and hasattr(config, "skip_nnmodule_hook_guards"):
+        config.skip_nnmodule_hook_guards = False
+
+
 class Watch:
     """A recording in progress. Use :func:`ampwatch.attach` to make one; close it (or use ``with``)."""
 
@@ -137,6 +147,7 @@ class Watch:
 
     def _install(self) -> None:
         opt, model = self.optimizer, _uncompiled(self.model)
+        _guard_module_hooks()
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
         # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
