@@ -98,7 +98,7 @@ def step_times(folder: Path, pairs: int, block: int) -> dict:
 
 
 def wal_growth(folder: Path, steps: int) -> dict:
-    from ampwatch.packing import PackReader, StepPack
+    from ampwatch.record.packing import PackReader, StepPack
     from ampwatch.schema import SCHEMA_VERSION
     from ampwatch.writer import RunWriter, create_run_file
     path, go, stop = folder / "wal.sqlite", folder / "go2", folder / "stop2"
@@ -117,9 +117,9 @@ def wal_growth(folder: Path, steps: int) -> dict:
     start = time.time()
     for i in range(steps):
         writer.put_step(StepPack(step=i, time=time.time(), duration_s=1e-3, lr=1e-3, micro_batches=1, skipped=False,
-                                 flat=torch.rand(2 + n_params, generator=g),
+                                 flat=torch.rand(2 + n_params, generator=g, dtype=torch.float64).view(torch.uint8),
                                  layout={"loss": (0, 1), "scale": (1, 1), "norms": (2, n_params)},
-                                 norm_ids=list(range(n_params))))
+                                 norm_ids=list(range(n_params)), scalar_bytes=8 * (2 + n_params)))
         if i % 500 == 0:
             time.sleep(0.05)  # ~100k steps in about 10-20 s: many commits while the reader polls
             biggest = max(biggest, wal.stat().st_size if wal.exists() else 0)

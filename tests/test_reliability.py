@@ -201,7 +201,7 @@ def test_sigkill_inside_a_commit_keeps_every_earlier_commit(tmp_path):
 
 BIG_CLOSE = textwrap.dedent("""
     import os, socket, time, torch
-    from ampwatch.packing import PackReader, StepPack
+    from ampwatch.record.packing import PackReader, StepPack
     from ampwatch.schema import SCHEMA_VERSION
     from ampwatch.writer import RunWriter, create_run_file
     P, N, path = 200, {steps}, {path!r}
@@ -214,8 +214,9 @@ BIG_CLOSE = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     for i in range(N):
         writer.put_step(StepPack(step=i, time=time.time(), duration_s=1e-3, lr=1e-3, micro_batches=1,
-                                 skipped=False, flat=torch.rand(2 + P, generator=g),
-                                 layout={{"loss": (0, 1), "scale": (1, 1), "norms": (2, P)}}, norm_ids=list(range(P))))
+                                 skipped=False, flat=torch.rand(2 + P, generator=g, dtype=torch.float64).view(torch.uint8),
+                                 layout={{"loss": (0, 1), "scale": (1, 1), "norms": (2, P)}}, norm_ids=list(range(P)),
+                                 scalar_bytes=8 * (2 + P)))
     writer.close("finished", None)
 """)
 
