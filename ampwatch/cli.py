@@ -76,8 +76,10 @@ def summary(path: str) -> None:
             continue
         status = 2 if group.unreadable else status
         if group.world_size > 1 or len(group.paths) > 1:
-            blocks.append(format_job_summary(group))
+            blocks.append(format_job_summary(group))  # names its unreadable rank files itself
         else:
+            for u in group.unreadable:  # the other runs are still summarised
+                click.echo(f"ampwatch: {u.reason}", err=True)
             blocks.append(_summary_text(summarize(_load(str(next(iter(group.paths.values())))))))
     click.echo("\n\n".join(blocks))
     sys.exit(status)

@@ -248,14 +248,19 @@ def load_group(folder_or_glob: Any, job: Optional[str] = None) -> "RunGroup":
     Raises :class:`RunError` when nothing readable is found, or when several jobs match and
     ``job`` does not pick one. Missing and unreadable ranks are reported, not raised.
     """
-    groups = [g for g in load_groups(folder_or_glob) if g.paths]
+    every = load_groups(folder_or_glob)
+    groups = [g for g in every if g.paths]
     if job is not None:
         groups = [g for g in groups if job in (g.job_id, g.name)]
         if not groups:
             raise RunError(f"no job {job!r} in {os.fspath(folder_or_glob)!r}: "
                            f"see `ampwatch summary {os.fspath(folder_or_glob)}` for the jobs there")
     if not groups:
-        raise RunError(f"no readable run in {os.fspath(folder_or_glob)!r}: every file failed to open")
+        reasons = [u.reason for g in every for u in g.unreadable]
+        if len(reasons) == 1:  # one file: its own reason says what and what to do
+            raise RunError(reasons[0])
+        raise RunError(f"no readable run in {os.fspath(folder_or_glob)!r}: every file failed to open"
+                       + (f" (first: {reasons[0]})" if reasons else ""))
     if len(groups) > 1:
         names = ", ".join(f"{g.name!r} ({len(g.paths)} of {g.world_size} ranks)" for g in groups[:8])
         more = f" and {len(groups) - 8} more" if len(groups) > 8 else ""

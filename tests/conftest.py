@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -30,3 +31,14 @@ def record_path(request, monkeypatch):
     else:
         monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
     return request.param
+
+
+@pytest.fixture
+def restore_runs_env():
+    """The app tests set AMPWATCH_RUNS (the folder the dashboard opens): put it back after each."""
+    before = os.environ.get("AMPWATCH_RUNS")
+    yield
+    if before is None:
+        os.environ.pop("AMPWATCH_RUNS", None)
+    else:
+        os.environ["AMPWATCH_RUNS"] = before

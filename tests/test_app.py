@@ -45,14 +45,7 @@ def _open(folder: Path, page: str = "runs", run: str | None = None, state: dict 
     return at
 
 
-@pytest.fixture(autouse=True)
-def _restore_env():
-    before = os.environ.get("AMPWATCH_RUNS")
-    yield
-    if before is None:
-        os.environ.pop("AMPWATCH_RUNS", None)
-    else:
-        os.environ["AMPWATCH_RUNS"] = before
+pytestmark = pytest.mark.usefixtures("restore_runs_env")
 
 
 def _no_failure(at: AppTest) -> None:

@@ -53,6 +53,18 @@ def test_ls_lists_every_run_and_reports_unreadable(tmp_path):
     assert f"{100 * skipped / n:.1f}" in storm and str(n) in storm
 
 
+def test_summary_of_a_folder_names_the_unreadable_run_and_still_summarises_the_others(tmp_path):
+    good = tmp_path / "healthy_fp16.sqlite"
+    good.write_bytes((SAMPLES / "healthy_fp16.sqlite").read_bytes())
+    (tmp_path / "trunc.sqlite").write_bytes((SAMPLES / "diverged.sqlite").read_bytes()[:5000])
+    proc = subprocess.run([sys.executable, "-m", "ampwatch", "summary", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    n = _sql(good, "SELECT COUNT(*) FROM steps")[0]
+    assert "run      healthy_fp16" in proc.stdout and f"steps    {n}" in proc.stdout
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "trunc.sqlite" in err[0] and "corrupt or truncated" in err[0]
+
+
 def test_ls_of_empty_or_missing_folder_is_exit_2(tmp_path):
     for folder in (tmp_path, tmp_path / "missing"):
         result = CliRunner().invoke(cli, ["ls", str(folder)])

@@ -196,5 +196,9 @@ def test_bad_group_input_is_one_line(tmp_path):
             ampwatch.load_group(arg)
         assert "\n" not in str(exc.value)
     (tmp_path / "junk.sqlite").write_bytes(b"not sqlite")
-    with pytest.raises(ampwatch.RunError, match="no readable run"):
+    with pytest.raises(ampwatch.RunError, match="junk.sqlite.*not an ampwatch run") as exc:
+        ampwatch.load_group(tmp_path)  # the one file's own reason, not a vague "failed to open"
+    assert "\n" not in str(exc.value)
+    (tmp_path / "junk2.sqlite").write_bytes(b"")
+    with pytest.raises(ampwatch.RunError, match="no readable run .*every file failed to open .first: "):
         ampwatch.load_group(tmp_path)

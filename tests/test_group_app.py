@@ -29,14 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app" / "streamlit_app.py")
 
 
-@pytest.fixture(autouse=True)
-def _restore_env():
-    before = os.environ.get("AMPWATCH_RUNS")
-    yield
-    if before is None:
-        os.environ.pop("AMPWATCH_RUNS", None)
-    else:
-        os.environ["AMPWATCH_RUNS"] = before
+pytestmark = pytest.mark.usefixtures("restore_runs_env")
 
 
 def _ranks_page(folder: Path, run: str, state: dict | None = None) -> AppTest:
