@@ -21,6 +21,7 @@ is not seen; the dashboard then falls back to the run's config keys.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from typing import Any, Callable
 
@@ -56,10 +57,16 @@ def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
         if _listeners:
-            if not isinstance(parameters, torch.Tensor):
-                parameters = list(parameters)  # a generator must survive being looked at
+            seen = parameters
+            if not isinstance(parameters, (torch.Tensor, list, tuple)):
+                # a generator (model.parameters()) must survive being looked at: listeners only
+                # need its first item, and listing a whole model's parameters costs ~50 us a step
+                rest = iter(parameters)
+                first = next(rest, None)
+                seen = () if first is None else (first,)
+                parameters = itertools.chain(seen, rest)
             for listener in _listeners:
-                listener.on_clip(parameters, max_norm)  # Watch.on_clip never raises
+                listener.on_clip(seen, max_norm)  # Watch.on_clip never raises
         return original(parameters, max_norm, *args, **kwargs)
     return clip
 

@@ -6,9 +6,10 @@ unless its docstring says so.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -58,6 +59,33 @@ def scale_tensor(scaler: Any) -> Optional[torch.Tensor]:
     if isinstance(scale, torch.Tensor):
         return scale.detach().reshape(()).clone()
     return None
+
+
+def scale_snapshot(scaler: Any, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """:func:`scale_tensor` copied straight into ``dtype`` (the step pack's): one op, no sync."""
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().reshape(()).to(dtype, copy=True)
+    return None
+
+
+def scale_value(scaler: Any) -> Optional[float]:
+    """The current scale as a float: a host read, for where reads are free."""
+    scale = getattr(scaler, "_scale", None)
+    return float(scale.item()) if isinstance(scale, torch.Tensor) else None
+
+
+def inverse_scale(scaler: Any, reads_free: Optional[bool] = None) -> Optional[Union[torch.Tensor, float]]:
+    """1/scale, for unscaling norms measured on scaled gradients: where reads are free a Python
+    float (no op), else a float32 device tensor computed in float64 (a scale need not be a power of
+    two). Either rounds 1/scale to float32 when multiplied into float32 norms. No sync."""
+    scale = getattr(scaler, "_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        return None
+    if reads_are_free(scale.device) if reads_free is None else reads_free:
+        value = scale.item()
+        return 1.0 / value if value else math.inf
+    return scale.detach().reshape(()).double().reciprocal().float()
 
 
 def found_inf(scaler: Any, optimizer: Any) -> Optional[torch.Tensor]:
@@ -167,6 +195,8 @@ def tensor_norms(tensors: Sequence[torch.Tensor], out_device: torch.device) -> t
     """
     if not tensors:
         return torch.zeros(0, device=out_device)
+    if all(type(t) is torch.Tensor and t.device == out_device for t in tensors):  # the usual case
+        return torch.stack(_foreach_norm_f32(list(tensors)))
     tensors = [local(t) for t in tensors]
     result: list[Optional[torch.Tensor]] = [None] * len(tensors)
     for device, idx in _group_by_device(tensors).items():
@@ -219,6 +249,31 @@ def tensor_details(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
     if not rows:
         return torch.zeros((0, 5), dtype=dtype, device=out_device)
     return torch.stack(rows)
+
+
+def tensor_details_read(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                        known_finite: Optional[Sequence[bool]] = None) -> list[float]:
+    """:func:`tensor_details` where reads are free (CPU), as a flat list (5 floats per gradient):
+    each value is read as it is made, so a gradient costs three reductions (``aminmax``,
+    ``count_nonzero``, the parameter norm), plus the NaN/inf counts where it is not known to be
+    finite, instead of a dozen small ops."""
+    rows: list[float] = []
+    for i, (g, p) in enumerate(zip(grads, params)):
+        g, p = local(g).detach(), local(p).detach()
+        if g.numel() == 0:  # a rank's shard may be empty (FSDP pads; a bias of 1 on 2 ranks)
+            rows += (0.0, 0.0, 0.0, 0.0, 0.0)
+            continue
+        mn, mx = torch.aminmax(g)
+        lo, hi = mn.item(), mx.item()
+        amax = lo if lo != lo else max(-lo, hi)  # NaN propagates
+        if known_finite is not None and known_finite[i]:
+            nan = inf = 0.0
+        else:
+            nan, inf = float(torch.isnan(g).sum()), float(torch.isinf(g).sum())
+        zero = float(g.numel() - int(torch.count_nonzero(g)))
+        pnorm = float(torch.linalg.vector_norm(p, dtype=torch.float32))
+        rows += (amax, nan, inf, zero, pnorm)
+    return rows
 
 
 def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],

@@ -9,6 +9,10 @@ kernel per ~chunk of tensors). Host reads: ``_local_scalar_dense`` (``.item()``,
 
     python bench/ops.py                  # reference GPT (4 layers, d_model 256, seq 128, batch 3, vocab 2000) and the MLP
     python bench/ops.py --workload gpt --layer-every 1
+    python bench/ops.py --free-reads --by-op   # the CPU path instead (host reads are free there), per op
+
+On the CPU path an op costs ~15 us of host time inside a training step (a cold dispatcher, against
+~6 us in a tight loop), so the count matters there too.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-os.environ["AMPWATCH_CPU_AS_ACCELERATOR"] = "1"  # before ampwatch is imported
+FREE_READS = "--free-reads" in sys.argv
+if not FREE_READS:
+    os.environ["AMPWATCH_CPU_AS_ACCELERATOR"] = "1"  # before ampwatch is imported
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -73,8 +79,9 @@ def workload(name: str):
     return model, x, lambda out: F.cross_entropy(out.float().view(-1, vocab), y.reshape(-1))
 
 
-def count(name: str, watched: bool, layer_every: int, steps: int = 3) -> tuple[float, float, int]:
-    """(ops per step, host reads per step, modules) over ``steps`` steps after two warm-up steps."""
+def count(name: str, watched: bool, layer_every: int, steps: int = 3) -> tuple[float, float, int, Counter]:
+    """(ops per step, host reads per step, modules, ops by name) over ``steps`` steps after two
+    warm-up steps."""
     model, x, loss_fn = workload(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu")
@@ -101,27 +108,33 @@ def count(name: str, watched: bool, layer_every: int, steps: int = 3) -> tuple[f
             step()
     if watch is not None:
         watch.close()
-    return sum(counter.ops.values()) / steps, counter.reads / steps, len(list(model.modules()))
+    return sum(counter.ops.values()) / steps, counter.reads / steps, len(list(model.modules())), counter.ops
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=["gpt", "mlp", "both"], default="both")
     parser.add_argument("--layer-every", type=int, default=None, help="default: report 20 (the default) and 1")
+    parser.add_argument("--free-reads", action="store_true", help="count the CPU path (host reads are free)")
+    parser.add_argument("--by-op", action="store_true", help="also list the added ops by name")
     args = parser.parse_args()
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     names = ["gpt", "mlp"] if args.workload == "both" else [args.workload]
     settings = [args.layer_every] if args.layer_every else [20, 1]
-    print(f"torch {torch.__version__}, accelerator path on the CPU (AMPWATCH_CPU_AS_ACCELERATOR=1)")
+    path = "CPU path (free host reads)" if FREE_READS else "accelerator path on the CPU (AMPWATCH_CPU_AS_ACCELERATOR=1)"
+    print(f"torch {torch.__version__}, {path}")
     for name in names:
-        base_ops, base_reads, modules = count(name, False, 1)
+        base_ops, base_reads, modules, base_by_op = count(name, False, 1)
         print(f"{name}: {modules} modules; the step itself: {base_ops:.0f} ops, {base_reads:.0f} host reads")
         for every in settings:
             # steps 2..4 of the run: with layer_every=20 none is a detail step (step 0 is)
-            ops, reads, _ = count(name, True, every)
+            ops, reads, _, by_op = count(name, True, every)
             print(f"  layer_every={every:<3} ampwatch adds {ops - base_ops:.0f} ops/step, "
                   f"{reads - base_reads:.0f} host reads/step")
+            if args.by_op:
+                added = {op: n - base_by_op.get(op, 0) for op, n in by_op.items()}
+                print("    " + ", ".join(f"{op} {n / 3:g}" for op, n in sorted(added.items(), key=lambda kv: -kv[1]) if n))
 
 
 if __name__ == "__main__":

@@ -11,27 +11,41 @@ At the step's end the per-observation maxima are folded into the stats buffer's 
 (-amax, amax), the running max kept for a slot observed several times, in a few ops per dtype.
 
 What is given up against ``aminmax``: a slot holding both NaN and inf reads as NaN (its kind is
-``nan``), and a tensor changed in place after its module returned (``ReLU(inplace=True)`` on a
-Linear's output) is measured as changed: a -inf turned into 0 is missed. Modules seen to work in
-place (output is input) flush the pending tensors before they run, from the first step on.
+``nan``). A tensor changed in place while it waited (``ReLU(inplace=True)`` on a Linear's output, an
+in-place residual add) would be measured as changed: modules seen to work in place flush the
+pending tensors before they run, and a pending tensor whose version moved by the flush marks its
+slot *volatile* (reduced at once from then on; this step's value for it is the changed one).
+
+Where reads are free (CPU) the same queue defers the per-tensor ``aminmax`` (``reduce_now``) to the
+flush: run back to back, an op costs about half its host time in the middle of a training step
+(a cold dispatcher), and a hook costs one ``append``. There the queue is also flushed at the end of
+each forward and bounded to ``HOST_CHUNK_BYTES``, as it holds gradients past their life.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 CHUNK = 64
 CHUNK_BYTES = 1 << 30
+HOST_CHUNK_BYTES = 64 << 20
 
 
 class BatchedReducer:
-    """Pending tensors per dtype index; reduced per chunk; folded into the stats views per step."""
+    """Pending tensors per dtype index; reduced per chunk; folded into the stats views per step.
 
-    def __init__(self, dtypes: int) -> None:
+    ``reduce_now(t, slot)``: reduce each tensor with it at the flush instead of ``_foreach_norm``
+    (the free-reads path)."""
+
+    def __init__(self, dtypes: int, reduce_now: Optional[Callable[[torch.Tensor, int], Any]] = None) -> None:
         self._pending: list[list[torch.Tensor]] = [[] for _ in range(dtypes)]
         self._pending_slots: list[list[int]] = [[] for _ in range(dtypes)]
+        self._versions: list[list[int]] = [[] for _ in range(dtypes)]
+        self._reduce_now = reduce_now
+        self._limit = CHUNK_BYTES if reduce_now is None else HOST_CHUNK_BYTES
+        self.volatile: set[int] = set()  # slots whose tensors were changed in place while pending
         self._count = 0
         self._bytes = 0
         self._values: list[list[torch.Tensor]] = [[] for _ in range(dtypes)]  # 0-d maxima
@@ -42,21 +56,38 @@ class BatchedReducer:
     def add(self, d: int, t: torch.Tensor, slot: int) -> None:
         self._pending[d].append(t)
         self._pending_slots[d].append(slot)
+        self._versions[d].append(t._version)
         self._count += 1
         self._bytes += t.numel() * t.element_size()
-        if self._count >= CHUNK or self._bytes >= CHUNK_BYTES:
+        if self._count >= CHUNK or self._bytes >= self._limit:
             self.flush()
 
     def flush(self) -> None:
-        """Reduce every pending tensor now (one multi-tensor launch per dtype)."""
+        """Reduce every pending tensor now (one multi-tensor launch per dtype, or one ``reduce_now``
+        per tensor where reads are free). Hooks queue tensors as they are, maybe requiring grad:
+        reduced here under ``no_grad``, nothing is recorded for autograd."""
         if not self._count:
             return
+        with torch.no_grad():
+            self._flush()
+
+    def _flush(self) -> None:
         for d, tensors in enumerate(self._pending):
-            if tensors:
+            if not tensors:
+                continue
+            slots, versions = self._pending_slots[d], self._versions[d]
+            for t, slot, version in zip(tensors, slots, versions):
+                if t._version != version:  # changed in place since it was observed: reduce at once next time
+                    self.volatile.add(slot)
+            if self._reduce_now is not None:
+                for t, slot in zip(tensors, slots):
+                    self._reduce_now(t, slot)
+            else:
                 self._values[d].extend(torch._foreach_norm(tensors, math.inf))
-                self._slots[d].extend(self._pending_slots[d])
-                tensors.clear()
-                self._pending_slots[d].clear()
+                self._slots[d].extend(slots)
+            tensors.clear()
+            slots.clear()
+            versions.clear()
         self._count = self._bytes = 0
 
     def fold_into(self, views: list[torch.Tensor]) -> None:
@@ -85,7 +116,7 @@ class BatchedReducer:
             slots.clear()
 
     def clear(self) -> None:
-        for lists in (self._pending, self._pending_slots, self._values, self._slots):
+        for lists in (self._pending, self._pending_slots, self._versions, self._values, self._slots):
             for items in lists:
                 items.clear()
         self._count = self._bytes = 0

@@ -8,16 +8,11 @@ free (CPU), per tensor with ``aminmax``, which is cheaper there, and with exact 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from .. import probes
-
-
-def inverse(scale: torch.Tensor) -> torch.Tensor:
-    """1/scale on the device (in float64: a scale need not be a power of two), for unscaling norms."""
-    return scale.double().reciprocal().float()
 
 
 class GradMeter:
@@ -31,39 +26,52 @@ class GradMeter:
         self.reset()
 
     def reset(self) -> None:
-        self.norms: Optional[torch.Tensor] = None
+        # device tensors, or where reads are free plain lists of floats (read as they are made:
+        # a multiply or a stack on the host costs more than reading a few numbers)
+        self.norms: Optional[Union[torch.Tensor, list[float]]] = None
         self.norm_ids: list[int] = []
-        self.detail: Optional[torch.Tensor] = None
+        self.detail: Optional[Union[torch.Tensor, list[float]]] = None
         self.detail_ids: list[int] = []
         self.at_backward = False  # measured when backward ended (before any clipping)
 
-    def measure(self, detail_step: bool, inv_scale: Optional[torch.Tensor] = None) -> None:
+    def measure(self, detail_step: bool, inv_scale: Optional[Union[torch.Tensor, float]] = None) -> None:
         """Per-parameter grad norms (one foreach call), and detail on detail steps. No sync, except
         that where reads are free the norms are read to decide whether detail is needed."""
         if self.norms is not None:
             return
         ids = [i for i, p in enumerate(self.params) if p.grad is not None]
         norms = probes.tensor_norms([self.params[i].grad for i in ids], self.device)
-        if inv_scale is not None:
+        known_finite = None
+        if self.reads_free:
+            norms = norms.tolist()
+            if inv_scale is not None:
+                norms = [v * inv_scale for v in norms]  # in float64
+            known_finite = [math.isfinite(v) for v in norms]
+        elif inv_scale is not None:
             norms = norms * inv_scale
         self.norms, self.norm_ids = norms, ids
-        known_finite = torch.isfinite(norms).tolist() if self.reads_free else None
         if detail_step or (known_finite and not all(known_finite)):
             self.measure_detail(known_finite, inv_scale, counts=bool(known_finite))
 
-    def measure_detail(self, known_finite: Optional[list] = None, inv_scale: Optional[torch.Tensor] = None,
+    def measure_detail(self, known_finite: Optional[list] = None,
+                       inv_scale: Optional[Union[torch.Tensor, float]] = None,
                        counts: bool = True) -> None:
         """``counts``: pay for exact NaN/inf counts (bad steps) instead of leaving them unknown."""
         if self.detail is not None or not self.norm_ids:
             return
         params = [self.params[i] for i in self.norm_ids]
         grads = [p.grad for p in params]
-        if self.reads_free or counts:
-            detail = probes.tensor_details(grads, params, self.device, self.pack_dtype, known_finite)
+        if self.reads_free:
+            detail: Any = probes.tensor_details_read(grads, params, known_finite)
+            if inv_scale is not None:
+                detail[0::5] = [v * inv_scale for v in detail[0::5]]
         else:
-            detail = probes.tensor_details_foreach(grads, params, self.device, self.pack_dtype)
-        if inv_scale is not None:
-            detail[:, 0] *= inv_scale
+            if counts:
+                detail = probes.tensor_details(grads, params, self.device, self.pack_dtype, known_finite)
+            else:
+                detail = probes.tensor_details_foreach(grads, params, self.device, self.pack_dtype)
+            if inv_scale is not None:
+                detail[:, 0] *= inv_scale
         self.detail, self.detail_ids = detail, list(self.norm_ids)
 
     def shrank(self) -> Optional[tuple[float, float]]:
@@ -74,17 +82,21 @@ class GradMeter:
         grads = [self.params[i].grad for i in self.norm_ids]
         if any(g is None for g in grads):
             return None
-        before = float(self.norms.double().norm())
+        if isinstance(self.norms, list):
+            before = math.sqrt(sum(v * v for v in self.norms))
+        else:
+            before = float(self.norms.double().norm())
         after = float(probes.tensor_norms(grads, self.device).double().norm())
         if math.isfinite(before) and math.isfinite(after) and after < 0.99 * before:
             return before, after
         return None
 
 
-def segments(meter: GradMeter) -> list[tuple[str, torch.Tensor]]:
+def segments(meter: GradMeter) -> list[tuple[str, Any]]:
+    """The step pack's gradient segments: device tensors, or lists of floats where reads are free."""
     out: list[tuple[str, Any]] = []
     if meter.norms is not None:
         out.append(("norms", meter.norms))
     if meter.detail is not None:
-        out.append(("detail", meter.detail.reshape(-1)))
+        out.append(("detail", meter.detail if isinstance(meter.detail, list) else meter.detail.reshape(-1)))
     return out

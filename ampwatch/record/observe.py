@@ -10,12 +10,23 @@ slot on the host. A slot observed several times in a step (a shared module, micr
 the running min/max.
 
 Eager: the first step (and any step after the module call count changed) is a *learning* step: the
-hooks note which inputs are the very tensors another module already produced or received (the
-residual stream, a container's input handed to its first child), and later steps skip reducing
-those: the host reads the other module's slot instead. Under ``torch.compile`` the hooks skip the
+hooks note which inputs and outputs are the very tensors another module already produced or
+received, unchanged since (the residual stream, a container's input handed to its first child, a
+container's output that is its last child's), and later steps skip reducing those and skip their
+gradient hooks: the host reads the other module's slot instead. Inputs are observed in the forward
+hook, after the module ran, so a module costs one Python hook call per forward: only the root
+(micro-batches) and modules that work in place (their input must be measured before they change
+it) also get a pre-hook. Under ``torch.compile`` the hooks skip the
 Python bookkeeping and call the custom op ``ampwatch::observe`` (an ordered side effect that writes
 the stats buffer), so Dynamo traces them into the graph with no graph break; gradients are observed with
-``Tensor.register_hook``, which Dynamo also traces.
+``Tensor.register_hook``, which Dynamo also traces (eager registers a pre-hook on the tensor's
+``grad_fn`` instead: the same gradient, at half the host cost).
+
+Where reads are free (CPU) the stats live on the host instead (:class:`HostStats`): a hook reduces
+its tensor with one ``aminmax``, reads the two numbers and folds them into an array of doubles,
+which the step pack copies whole; nothing else touches a tensor. Writing each result into a
+buffer row (``out=`` views) and reading it back cost three times as much host time, and each op
+costs ~15 us inside a training step on the CPU.
 
 Micro-batches (issue 12: which one a value went non-finite in) cost nothing on a step with one
 forward pass of the root module. On a step with k, each new root call marks, in one small per-slot
@@ -23,13 +34,14 @@ tensor, the slots that went non-finite during the previous micro-batch (a fixed 
 micro-batch, none per module call); a slot bad at the end and not marked went bad in the last one.
 
 The fp32 counterfactual (``counterfactual.py``, option ``fp32_check``) is fed from the eager
-pre-hooks: ``keeper.keep`` stores a reference to each module's latest inputs (a dict slot per
+hooks: ``keeper.keep`` stores a reference to each module's latest inputs (a dict slot per
 module, no copy, nothing grows). Under torch.compile the inner hooks keep nothing (None there).
 """
 from __future__ import annotations
 
 import math
 import weakref
+from array import array
 from functools import partial
 from typing import Any, Iterator, Optional
 
@@ -43,27 +55,25 @@ ROLES = 4
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
 DTYPE_NAMES = tuple(str(dt).replace("torch.", "") for dt in DTYPES)
-_POS = (math.inf, -math.inf)
 
 
-_BUFFERS: dict[int, list[torch.Tensor]] = {}  # observer id -> its per-dtype stats tensors
+_OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the custom op
+_EMPTY = (math.inf, -math.inf)  # an unwritten slot: min +inf, max -inf
 
 
 @torch.library.custom_op("ampwatch::observe", mutates_args=())
 def observe(x: torch.Tensor, buffer: int, slot: int) -> None:
     """Fold min/max of ``x`` into row ``slot`` of observer ``buffer``'s stats for ``x``'s dtype.
 
-    The buffer is looked up here rather than passed in: a compiled graph that took it as an input
-    would save it for its backward, and any write to it between forward and backward (an eager
+    The stats are looked up here rather than passed in: a compiled graph that took them as an input
+    would save them for its backward, and any write to them between forward and backward (an eager
     module, another compiled graph) would fail autograd's version check. The op is registered as
-    an ordered side effect instead, so it is neither dropped nor reordered."""
-    stats = _BUFFERS.get(buffer)
-    if stats is None or x.dtype not in DTYPE_INDEX:  # the watch was closed: a no-op
+    an ordered side effect instead, so it is neither dropped nor reordered. Its body runs as Python
+    at run time, inside compiled graphs too."""
+    observer = _OBSERVERS.get(buffer)
+    if observer is None or x.dtype not in DTYPE_INDEX:  # the watch was closed: a no-op
         return
-    row = stats[DTYPE_INDEX[x.dtype]][slot]
-    mn, mx = torch.aminmax(x)
-    torch.minimum(row[0], mn, out=row[0])
-    torch.maximum(row[1], mx, out=row[1])
+    observer.reduce_now(x, slot)
 
 
 @observe.register_fake
@@ -89,18 +99,45 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield t
 
 
-def _numpy_view(t: torch.Tensor) -> Any:
-    """A numpy array sharing ``t``'s memory (CPU), or None (bfloat16, or no numpy)."""
-    try:
-        return t.numpy() if t.dtype != torch.bfloat16 else None
-    except (RuntimeError, TypeError):
-        return None
-
-
 def _tensor_list(obj: Any) -> list[torch.Tensor]:
     if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
         return [obj] if obj.dtype in DTYPE_INDEX and obj.numel() > 0 else []
     return list(_tensors(obj))
+
+
+def _inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """A call's floating inputs, positional then keyword (the positions aliases are keyed by)."""
+    return _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
+
+
+class HostStats:
+    """Where reads are free: per dtype, per slot, (min, max) as doubles in one host array.
+
+    An array item write costs ~30 ns; a tensor over the same memory lets the step pack copy all of
+    it in its one concatenation. Values are exact: a float16/bfloat16/float32 min or max is a double."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._empty = array("d", _EMPTY * (len(DTYPES) * slots))
+        self.values = array("d", self._empty)
+        self.tensor = torch.frombuffer(self.values, dtype=torch.float64)
+
+    def fold(self, d: int, slot: int, lo: float, hi: float) -> None:
+        values, i = self.values, 2 * (d * self.slots + slot)
+        if lo != lo or lo < values[i]:  # a NaN already there stays (NaN < x is false)
+            values[i] = lo
+        if hi != hi or hi > values[i + 1]:
+            values[i + 1] = hi
+
+    def views(self) -> list[torch.Tensor]:
+        """Per dtype the (S, 2) rows, as float64 tensors sharing the array's memory."""
+        return list(self.tensor.view(len(DTYPES), self.slots, 2).unbind(0))
+
+    def as_bytes(self) -> list[torch.Tensor]:
+        return [self.tensor.view(torch.uint8)]
+
+    def reset(self) -> None:
+        self.values[:] = self._empty  # a memcpy, no op
 
 
 class StatsBuffer:
@@ -125,17 +162,21 @@ class StatsBuffer:
             v.copy_(image)
 
 
-def stats_bytes(slots: int) -> int:
-    """Bytes of the stats buffer as :meth:`StatsBuffer.as_bytes` lays it out (what :func:`decode` reads)."""
+def stats_bytes(slots: int, host: bool = False) -> int:
+    """Bytes of the stats as ``as_bytes`` lays them out (what :func:`decode` reads): the device
+    buffer (:class:`StatsBuffer`) or, ``host``, the doubles of :class:`HostStats`."""
+    if host:
+        return len(DTYPES) * slots * 2 * 8
     return sum(slots * 2 * torch.empty((), dtype=dt).element_size() for dt in DTYPES)
 
 
-def decode(raw: torch.Tensor, slots: int) -> list[list[tuple[float, float]]]:
-    """Host side: per dtype, per slot (min, max) from a CPU copy of the byte buffer."""
+def decode(raw: torch.Tensor, slots: int, host: bool = False) -> list[list[tuple[float, float]]]:
+    """Host side: per dtype, per slot (min, max) from a CPU copy of the stats' bytes."""
     out, start = [], 0
     for dt in DTYPES:
-        size = slots * 2 * torch.empty((), dtype=dt).element_size()
-        values = raw[start:start + size].view(dt).float().view(slots, 2).tolist()
+        size = slots * 2 * (8 if host else torch.empty((), dtype=dt).element_size())
+        chunk = raw[start:start + size].view(torch.float64 if host else dt)
+        values = (chunk if host else chunk.float()).view(slots, 2).tolist()
         out.append([tuple(v) for v in values])  # type: ignore[misc]
         start += size
     return out
@@ -159,57 +200,75 @@ class ModuleObserver:
             self.types.append(type(module).__name__)
         self.modules = modules
         self.slots = ROLES * len(modules)
-        self.buffer = StatsBuffer(self.slots, device)
-        self._views = self.buffer.views
+        self._reads_free = self.host_stats = probes.reads_are_free(device)
         self._id = id(self)
-        self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        _BUFFERS[self._id] = self.buffer.views
-        self._reads_free = probes.reads_are_free(device)
-        self._host = [_numpy_view(v) if self._reads_free else None for v in self._views]
-        # accelerator path: reductions batched per chunk (batched.py), not one launch per tensor
-        self._batch = None if self._reads_free else BatchedReducer(len(DTYPES))
+        _OBSERVERS[self._id] = self
+        if self._reads_free:  # CPU: stats on the host, read as they are made
+            self._host: Optional[HostStats] = HostStats(self.slots)
+            self.buffer: Any = self._host
+            self._views = self._host.views()
+            self._batch = BatchedReducer(len(DTYPES), self._reduce_pending)
+        else:  # accelerator: a device buffer, reductions batched per chunk (batched.py)
+            self._host = None
+            self.buffer = StatsBuffer(self.slots, device)
+            self._views = self.buffer.views
+            self._batch = BatchedReducer(len(DTYPES))
         self._inplace: set[int] = set()  # modules whose output is their input (ReLU(inplace=True))
+        self._pre: set[int] = set()      # modules with a pre-hook: their inputs are observed there
         self.active = True
-        # learned structure: (module, call, position) of an input -> the slot that already holds it
-        self.aliases: dict[tuple[int, int, int], int] = {}
+        # learned structure: (module, IN or OUT, call, position) of a tensor -> the slot that already holds it
+        self.aliases: dict[tuple[int, int, int, int], int] = {}
         self.order: Optional[list[int]] = None  # modules in forward finish order (first call)
         self._learned_calls = -1
         self._learning = True
         # per slot, the micro-batch in which it first went non-finite (-1: not yet); made on first use
         self._first: Optional[torch.Tensor] = None
         self.keeper: Any = None  # counterfactual.InputKeeper when fp32_check is on
+        self.on_error: Any = None  # called with an internal failure (the watch warns once, stops)
+        self._grad_hooks: dict[tuple[int, int], Any] = {}  # (slot, output number) -> its node pre-hook
         self._new_step()
         for index, module in enumerate(modules):
-            before, after = partial(self._before, index), partial(self._after, index)
+            after = partial(self._after, index)
             if index == 0:
                 # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would
                 # compile each as a graph of its own: keep them eager (they see no traced tensors)
-                before, after = torch._dynamo.disable(before), torch._dynamo.disable(after)
-            self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(after))
+                after = torch._dynamo.disable(after)
+            self._handles.append(module.register_forward_hook(after, with_kwargs=True))
+            if index == 0 or getattr(module, "inplace", False) is True:
+                self._add_pre_hook(index)
+
+    def _add_pre_hook(self, index: int) -> None:
+        before = partial(self._before, index)
+        if index == 0:
+            before = torch._dynamo.disable(before)
+        self._handles.append(self.modules[index].register_forward_pre_hook(before, with_kwargs=True))
+        self._pre.add(index)
 
     # -- per step --------------------------------------------------------------------------------
     def _new_step(self) -> None:
-        self._written: set[int] = set()
+        self._wrote = False
         self._calls = 0
         self._call_of: dict[int, int] = {}
         self.counts: dict[int, list[float]] = {}     # slot -> [nan, inf] (only where reads are free)
-        self._seen: dict[int, tuple[Any, int]] = {}  # learning step only: id(tensor) -> (ref, slot)
+        self._seen: dict[int, tuple[Any, int, int]] = {}  # learning only: id(tensor) -> (ref, slot, version)
         self._finish: list[int] = []
         self.root_calls = 0          # forward calls of the root module: the step's micro-batches
         self._first_used = False     # ``_first`` holds marks of this step
         self.fp32_amax: dict[int, Optional[float]] = {}  # the counterfactual's answer (module -> amax)
         self.fp32_checked = False
 
+    def _settle(self) -> None:
+        """Reduce what is pending and bring it into the stats (the device buffer, or the host's)."""
+        self._batch.fold_into(self._views)
+
     def take(self) -> dict:
         """The step's structure for the host (the stats themselves travel in the step's buffer)."""
-        if self._batch is not None:
-            self._batch.fold_into(self._views)
+        self._settle()
         if self._learning and self._calls:
             self.order = list(dict.fromkeys(self._finish))
             self._learned_calls = self._calls
         step = {"aliases": self.aliases, "order": self.order, "counts": self.counts,
-                "observed": bool(self._calls) or bool(self._written),
+                "observed": bool(self._calls) or self._wrote,
                 "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax}
         if self.keeper is not None:
             self.keeper.clear()  # the step's kept inputs are released here
@@ -233,8 +292,7 @@ class ModuleObserver:
         """Root call ``finished + 1`` starts: slots non-finite by now and not yet marked went bad in
         micro-batch ``finished``. A slot is bad when min < -inf is false or max < inf is false (NaN
         compares false); an unwritten slot (+inf, -inf) is not. Eager (root hooks are), no sync."""
-        if self._batch is not None:  # the pending reductions belong to the micro-batch that ended
-            self._batch.fold_into(self._views)
+        self._settle()  # what is pending belongs to the micro-batch that ended
         if self._first is None:
             self._first = torch.full((self.slots,), -1.0, dtype=torch.float32, device=self._views[0].device)
         ok = None
@@ -244,127 +302,225 @@ class ModuleObserver:
         self._first.masked_fill_(ok.logical_not_().logical_and_(self._first < 0), float(finished))
         self._first_used = True
 
+    def stats_host_bytes(self) -> memoryview:
+        """Free reads: the host stats' bytes as they stand (no copy), laid out as ``host_stats``."""
+        return memoryview(self._host.values).cast("B")
+
+    def stats_parts(self) -> list[torch.Tensor]:
+        """The stats as bytes (no copy), in the order :func:`decode` reads them (``host_stats``)."""
+        return self.buffer.as_bytes()
+
     def forward_origin(self, names: list[str]) -> Optional[int]:
         """The forward origin of the step so far (module index), or None. Reads the stats buffer: a
         sync where reads are not free, so callers ask only on steps known to be bad."""
         from . import origins
-        if self._batch is not None:
-            self._batch.fold_into(self._views)
+        self._settle()
         raw = torch.cat(self.buffer.as_bytes()).cpu()
-        values = origins.slot_values(decode(raw, self.slots), self.counts, self._reads_free)
+        values = origins.slot_values(decode(raw, self.slots, self.host_stats), self.counts, self._reads_free)
         if not origins.any_nonfinite(values):
             return None
         order = self.order if not self._learning else list(dict.fromkeys(self._finish))
         return origins.analyse(values, self.aliases, order or None, names)[1][origins.FORWARD]
 
+    def _failed(self, exc: Exception) -> None:
+        self.active = False
+        if self.on_error is not None:
+            self.on_error(exc)
+        else:
+            import warnings
+            warnings.warn(f"ampwatch stopped observing modules: {type(exc).__name__}: {exc}", RuntimeWarning)
+
     def remove(self) -> None:
         """Remove every hook; gradient hooks still pending on live tensors become no-ops."""
         self.active = False
-        _BUFFERS.pop(self._id, None)
-        if self._batch is not None:
-            self._batch.clear()
+        _OBSERVERS.pop(self._id, None)
+        self._batch.clear()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
     # -- observation -------------------------------------------------------------------------------
+    def _observe_traced(self, t: torch.Tensor, slot: int) -> None:
+        """Under torch.compile: the custom op for ``t`` (into ``slot``), a tensor hook for its gradient."""
+        if t.dtype in DTYPE_INDEX:
+            torch.ops.ampwatch.observe(t.detach(), self._id, slot)
+        if t.requires_grad and torch.is_grad_enabled():
+            t.register_hook(partial(self._on_grad, slot + (GIN - IN)))  # IN->GIN, OUT->GOUT
+
     def _write(self, t: torch.Tensor, slot: int) -> bool:
-        """Fold ``t`` into ``slot``; True when it is known (free host reads) to be non-finite."""
+        """Eager: queue ``t`` for ``slot`` (reduced at the next flush, with no grad recorded), or
+        reduce it now if the slot is volatile; True when known (free reads) to be non-finite."""
         d = DTYPE_INDEX.get(t.dtype)
         if d is None:
             return False
-        stats = self._views[d]
-        t = t.detach()
-        if _compiling():
-            torch.ops.ampwatch.observe(t, self._id, slot)
-            return False
         if type(t) is not torch.Tensor:  # a DTensor is reduced on this rank's shard: no collective
-            t = probes.local(t)
+            t = probes.local(t.detach())
             if t.numel() == 0:
                 return False
-        if self._batch is not None:  # accelerator path: reduced with its chunk (batched.py)
-            self._written.add(slot * 4 + d)
-            self._batch.add(d, t, slot)
-            return False
-        key = slot * 4 + d
-        views = self._slot_views.get(key)
-        if views is None:  # made once per (slot, dtype): indexing costs microseconds per call
-            views = self._slot_views[key] = (stats[slot, 0], stats[slot, 1])
-        mn_v, mx_v = views
-        if key in self._written:
-            mn, mx = torch.aminmax(t)
-            torch.minimum(mn_v, mn, out=mn_v)
-            torch.maximum(mx_v, mx, out=mx_v)
-        else:
-            self._written.add(key)
-            mn, mx = torch.aminmax(t, out=(mn_v, mx_v))
-        if self._reads_free:
-            host = self._host[d]  # a numpy view of the CPU buffer: reading it costs no dispatch
-            lo, hi = host[slot] if host is not None else (mn.item(), mx.item())
-            if not (math.isfinite(lo) and math.isfinite(hi)):
-                c = self.counts.setdefault(slot, [0.0, 0.0])
-                nan, inf = float(torch.isnan(t).sum()), float(torch.isinf(t).sum())
-                c[0] += nan
-                c[1] += inf
-                return bool(nan or inf)
+        self._wrote = True
+        if slot in self._batch.volatile:  # its tensors change in place after it is observed
+            return self.reduce_now(t.detach(), slot)
+        self._batch.add(d, t, slot)  # reduced with its chunk (batched.py)
         return False
 
+    def _reduce_pending(self, t: torch.Tensor, slot: int) -> None:
+        """Free reads: a queued tensor reduced at the flush; a module output found non-finite there
+        pins that call's kept inputs for the fp32 recompute (counterfactual.py)."""
+        if self.reduce_now(t, slot) and self.keeper is not None and slot % ROLES == OUT:
+            self.keeper.settle(slot // ROLES)
+
+    def reduce_now(self, t: torch.Tensor, slot: int) -> bool:
+        """One ``aminmax`` of ``t`` folded into ``slot`` now (eager on the CPU; the custom op's body).
+        Where reads are free also True when ``t`` is non-finite, with its NaN/inf counts."""
+        d = DTYPE_INDEX[t.dtype]
+        if t.requires_grad:
+            t = t.detach()
+        mn, mx = torch.aminmax(t)
+        if self._host is None:  # a compiled graph on an accelerator: into the device rows
+            row = self._views[d][slot]
+            torch.minimum(row[0], mn, out=row[0])
+            torch.maximum(row[1], mx, out=row[1])
+            return False
+        lo, hi = mn.item(), mx.item()
+        self._host.fold(d, slot, lo, hi)
+        if math.isfinite(lo) and math.isfinite(hi):
+            return False
+        c = self.counts.setdefault(slot, [0.0, 0.0])
+        nan, inf = float(torch.isnan(t).sum()), float(torch.isinf(t).sum())
+        c[0] += nan
+        c[1] += inf
+        return bool(nan or inf)
+
     def _watch_grad(self, t: torch.Tensor, slot: int) -> None:
-        if t.requires_grad and torch.is_grad_enabled():
+        """Eager: observe the gradient of ``t`` into ``slot`` when backward reaches it."""
+        if not (t.requires_grad and torch.is_grad_enabled()):
+            return
+        node = t.grad_fn
+        if node is None:  # a leaf
             t.register_hook(partial(self._on_grad, slot))
+            return
+        # a pre-hook on its node: the gradient a tensor hook would see, at half the host cost
+        key = (slot, t.output_nr)
+        hook = self._grad_hooks.get(key)
+        if hook is None:
+            hook = self._grad_hooks[key] = partial(self._on_node_grad, slot, t.output_nr)
+        node.register_prehook(hook)
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         # runs inside the user's backward(): must never raise or return a tensor
         if self.active and grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
-            self._write(grad, slot)
+            if _compiling():  # a compiled backward (Dynamo traced the tensor hook)
+                torch.ops.ampwatch.observe(grad.detach(), self._id, slot)
+                return
+            try:
+                self._write(grad, slot)
+            except Exception as exc:
+                self._failed(exc)
+
+    def _on_node_grad(self, slot: int, output: int, grads: tuple) -> None:
+        if output < len(grads):
+            self._on_grad(slot, grads[output])
 
     # -- hooks -------------------------------------------------------------------------------------
+    def _observe_inputs(self, index: int, call: int, tensors: list[torch.Tensor]) -> None:
+        base, learning = ROLES * index, self._learning
+        for pos, t in enumerate(tensors):
+            if learning:
+                hit = self._seen.get(id(t))
+                if hit is not None and hit[0]() is t and hit[2] == t._version:  # another module's, unchanged
+                    self.aliases[(index, IN, call, pos)] = hit[1]
+                    continue
+                self._seen[id(t)] = (weakref.ref(t), base + IN, t._version)
+            elif (index, IN, call, pos) in self.aliases:
+                continue
+            self._write(t, base + IN)
+            self._watch_grad(t, base + GIN)
+
     def _before(self, index: int, module: Any, args: Any, kwargs: Any) -> None:
+        """The root (micro-batches) and modules that work in place: their inputs before they change."""
         if not (self.active and module.training):
             return
-        tensors = _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
-        base = ROLES * index
         if _compiling():
-            for t in tensors:
-                self._write(t, base + IN)
-                self._watch_grad(t, base + GIN)
+            for t in _inputs(args, kwargs):
+                self._observe_traced(t, ROLES * index + IN)
             return
-        if index in self._inplace and self._batch is not None:
-            self._batch.flush()  # it is about to overwrite a tensor that may still be pending
+        if torch.is_inference_mode_enabled():  # nothing to learn from, and no version counters
+            return
+        try:
+            self._before_eager(index, args, kwargs)
+        except Exception as exc:  # recording must never take training down
+            self._failed(exc)
+
+    def _before_eager(self, index: int, args: Any, kwargs: Any) -> None:
+        tensors = _inputs(args, kwargs)
         if index == 0:  # the root: a new micro-batch
             if self.root_calls:
                 self._mark_micro_batch(self.root_calls - 1)
             self.root_calls += 1
         if self.keeper is not None:
             self.keeper.keep(index, args, kwargs, tensors)
-        self._calls += 1
         call = self._call_of[index] = self._call_of.get(index, -1) + 1
-        for pos, t in enumerate(tensors):
-            if self._learning:
-                hit = self._seen.get(id(t))
-                if hit is not None and hit[0]() is t:  # another module's tensor: read its slot
-                    self.aliases[(index, call, pos)] = hit[1]
-                    continue
-                self._seen[id(t)] = (weakref.ref(t), base + IN)
-            elif (index, call, pos) in self.aliases:
-                continue
-            self._write(t, base + IN)
-            self._watch_grad(t, base + GIN)
+        inplace = index in self._inplace
+        if inplace:
+            self._batch.flush()  # pending tensors may be the one it is about to overwrite
+        self._observe_inputs(index, call, tensors)
+        if inplace:
+            self._batch.flush()  # and its own input is measured before it changes
 
-    def _after(self, index: int, module: Any, args: Any, output: Any) -> None:
+    def _after(self, index: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         if not (self.active and module.training):
             return
+        if _compiling():
+            base = ROLES * index
+            if index not in self._pre:
+                for t in _inputs(args, kwargs):
+                    self._observe_traced(t, base + IN)
+            for t in _tensor_list(output):
+                self._observe_traced(t, base + OUT)
+            return
+        if torch.is_inference_mode_enabled():
+            return
+        try:
+            self._after_eager(index, args, kwargs, output)
+        except Exception as exc:
+            self._failed(exc)
+
+    def _after_eager(self, index: int, args: Any, kwargs: Any, output: Any) -> None:
         base = ROLES * index
-        bad = False
         outputs = _tensor_list(output)
-        if not _compiling() and self._learning and any(o is a for o in outputs for a in _tensor_list(args)):
-            self._inplace.add(index)
-        for t in outputs:
+        self._calls += 1
+        learning = self._learning
+        tensors = None
+        if index in self._pre:
+            call = self._call_of.get(index, 0)
+        else:
+            call = self._call_of[index] = self._call_of.get(index, -1) + 1
+            tensors = _inputs(args, kwargs)
+            if self.keeper is not None:
+                self.keeper.keep(index, args, kwargs, tensors)
+            self._observe_inputs(index, call, tensors)
+        if learning and index not in self._inplace:
+            ins = tensors if tensors is not None else _inputs(args, kwargs)
+            if any(o is a for o in outputs for a in ins):  # it works in place: measure inputs before it
+                self._inplace.add(index)
+                if index not in self._pre:
+                    self._add_pre_hook(index)
+        bad = False
+        for pos, t in enumerate(outputs):
+            if learning:
+                hit = self._seen.get(id(t))
+                if (index not in self._inplace and hit is not None and hit[0]() is t
+                        and hit[2] == t._version):  # a child's output handed on unchanged
+                    self.aliases[(index, OUT, call, pos)] = hit[1]
+                    continue
+                self._seen[id(t)] = (weakref.ref(t), base + OUT, t._version)
+            elif (index, OUT, call, pos) in self.aliases:
+                continue
             bad = self._write(t, base + OUT) or bad
             self._watch_grad(t, base + GOUT)
-            if not _compiling() and self._learning:
-                self._seen[id(t)] = (weakref.ref(t), base + OUT)
-        if bad and self.keeper is not None:  # free reads only: this call's output is non-finite
+        if bad and self.keeper is not None:  # free reads, reduced at once: this call's output is non-finite
             self.keeper.settle(index)
-        if not _compiling() and self._learning:
+        if learning:
             self._finish.append(index)
+        if index == 0 and self._host is not None:
+            self._batch.flush()  # the forward is over: reduce its tensors back to back

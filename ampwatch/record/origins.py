@@ -1,7 +1,7 @@
 """Which module is the origin of a non-finite value: pure Python over one step's slot values.
 
 Runs in the writer thread. Input: per slot (see :mod:`.observe`) the min/max per dtype, the learned
-input aliases, the learned forward order, where reads were free exact NaN/inf counts, and on steps of
+input and output aliases, the learned forward order, where reads were free exact NaN/inf counts, and on steps of
 several micro-batches the micro-batch each slot first went non-finite in.
 """
 from __future__ import annotations
@@ -94,15 +94,20 @@ def _fold(values: dict[int, SlotValue], slots: list[int]) -> Optional[SlotValue]
     return folded
 
 
-def _role_slots(modules: int, aliases: dict[tuple[int, int, int], int]) -> tuple[list[list[int]], list[list[int]]]:
-    """Per module, the slots holding its inputs and its input gradients (own slot plus aliases)."""
+def _role_slots(modules: int, aliases: dict[tuple[int, int, int, int], int]) -> tuple[list[list[int]], ...]:
+    """Per module, the slots holding its inputs, input gradients, outputs and output gradients: its
+    own slot plus those of the modules whose very tensors it received or handed on (``aliases``,
+    keyed (module, IN or OUT, call, position))."""
     ins = [[ROLES * m + IN] for m in range(modules)]
     gins = [[ROLES * m + GIN] for m in range(modules)]
-    for (m, _call, _pos), slot in aliases.items():
-        if slot not in ins[m]:
-            ins[m].append(slot)
-            gins[m].append(slot + (GIN - IN))  # IN->GIN and OUT->GOUT are both +2
-    return ins, gins
+    outs = [[ROLES * m + OUT] for m in range(modules)]
+    gouts = [[ROLES * m + GOUT] for m in range(modules)]
+    for (m, role, _call, _pos), slot in aliases.items():
+        values, grads = (ins, gins) if role == IN else (outs, gouts)
+        if slot not in values[m]:
+            values[m].append(slot)
+            grads[m].append(slot + (GIN - IN))  # IN->GIN and OUT->GOUT are both +2
+    return ins, gins, outs, gouts
 
 
 def _stat(value: SlotValue) -> ModuleStat:
@@ -141,13 +146,13 @@ def analyse(values: dict[int, SlotValue], aliases: dict, order: Optional[list[in
     whose gradient w.r.t. its input is non-finite while the gradient w.r.t. its output was finite.
     """
     n = len(names)
-    ins, gins = _role_slots(n, aliases)
+    ins, gins, outs, gouts = _role_slots(n, aliases)
     rank = {m: i for i, m in enumerate(order or [])}
     stats: dict[tuple[int, str], ModuleStat] = {}
     fwd, bwd = [], []
     seen: dict[int, tuple] = {}
     for m in range(n):
-        out = values.get(ROLES * m + OUT)
+        out = _fold(values, outs[m])
         if out is not None:
             stats[(m, FORWARD)] = _stat(out)
             inp = _fold(values, ins[m])
@@ -156,7 +161,7 @@ def analyse(values: dict[int, SlotValue], aliases: dict, order: Optional[list[in
         gin = _fold(values, gins[m])
         if gin is not None:
             stats[(m, BACKWARD)] = _stat(gin)
-            gout = values.get(ROLES * m + GOUT)
+            gout = _fold(values, gouts[m])
             if gin.bad and not (gout is not None and gout.bad):
                 bwd.append(m)
                 seen[m] = _seen_at(m, values, gins[m], rank)
@@ -178,7 +183,7 @@ def flows_into(values: dict[int, SlotValue], aliases: dict, order: Optional[list
     non-finite. Backward: the first, in backward order (the reverse), whose output gradient was
     non-finite (gradients flow from the container's code into it). Named by the direct child."""
     out: dict[str, Optional[str]] = {FORWARD: None, BACKWARD: None}
-    ins, _ = _role_slots(len(names), aliases)
+    ins, _, _, gouts = _role_slots(len(names), aliases)
     ranked = list(order or [])
     known = set(ranked)
     ranked += [m for m in range(len(names)) if m not in known]
@@ -194,7 +199,7 @@ def flows_into(values: dict[int, SlotValue], aliases: dict, order: Optional[list
         container = names[found[BACKWARD]]
         for m in reversed(ranked):
             child = _child_of(container, names[m])
-            gout = values.get(ROLES * m + GOUT) if child is not None else None
+            gout = _fold(values, gouts[m]) if child is not None else None
             if gout is not None and gout.bad:
                 out[BACKWARD] = child
                 break

@@ -36,6 +36,7 @@ class StepPack:
     scalar_bytes: int = 0              # flat[:scalar_bytes] holds the scalars, the rest the module stats
     pack_dtype: torch.dtype = torch.float64
     exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
+    host_stats: bool = False           # the module stats are observe.HostStats' doubles (free reads)
 
 
 @dataclass
@@ -217,9 +218,9 @@ class _Analysis:
         if self._values is None:
             slots = observe.ROLES * len(reader.module_names)
             raw = pack.flat[pack.scalar_bytes:]
-            size = observe.stats_bytes(slots)
+            size = observe.stats_bytes(slots, pack.host_stats)
             first = raw[size:].view(torch.float32).tolist() if loc.get("first") else None
-            self._values = origins.slot_values(observe.decode(raw, slots), loc["counts"], pack.exact_counts,
+            self._values = origins.slot_values(observe.decode(raw, slots, pack.host_stats), loc["counts"], pack.exact_counts,
                                                first, loc.get("micro_batches", 1))
         if not force and pack.step % reader.layer_every and not origins.any_nonfinite(self._values):
             return None

@@ -1,12 +1,14 @@
 """Step packing: one step's device values into one flat byte tensor, and one transfer.
 
 Layout: the step's scalars (loss, scale, found_inf, grad norms, detail, tensor metrics) in the pack
-dtype, then the module stats buffer as it stands at the step's end, then (steps of several
+dtype, then the module stats as they stand at the step's end (the device buffer; on the CPU the host
+doubles of ``observe.HostStats``), then (steps of several
 micro-batches only) the per-slot micro-batch marks. On CUDA the copy to the host is
 non-blocking and an event marks when the writer thread may read it; nothing here waits.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,8 +36,9 @@ class StepState:
         self.previous = None  # keep no chain of old steps alive
 
 
-def _transfer(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """The step's one device-to-host copy; on CUDA not waited on here (the writer waits on ``ready``)."""
+def _transfer(flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any]:
+    """The step's one device-to-host copy; on CUDA not waited on here (the writer waits on ``ready``).
+    ``fresh``: ``flat`` is a new tensor (a concatenation), not the stats buffer itself."""
     if flat.device.type == "cuda":
         host = flat.to("cpu", non_blocking=True)
         ready = torch.cuda.Event()
@@ -43,7 +46,8 @@ def _transfer(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return host, ready
     if flat.device.type != "cpu":
         return flat.cpu(), None  # sync point: other accelerators have no event API we rely on
-    return flat.clone(), None   # the stats buffer is reset for the next step: keep this step's values
+    # the stats buffer is reset for the next step: keep this step's values
+    return (flat if fresh else flat.clone()), None
 
 
 def step_loss(watch: Any) -> Optional[torch.Tensor]:
@@ -58,7 +62,8 @@ def step_loss(watch: Any) -> Optional[torch.Tensor]:
         watch._loss_logged = True
         watch.writer.put_info(loss_definition="logged-mean")
     if len(losses) == 1:
-        return losses[0].float().mean().to(dev)
+        loss = losses[0]
+        return (loss if loss.numel() == 1 else loss.float().mean()).to(dev)
     stacked = torch.stack([l.float().mean().to(dev) for l in losses])
     return stacked.mean() if state.logged_losses else stacked.sum()
 
@@ -70,8 +75,8 @@ def _scalar_segments(watch: Any, scale: Optional[torch.Tensor], found: Optional[
     loss = step_loss(watch)
     if loss is not None:
         segments.append(("loss", loss.reshape(1)))
-    if scale is not None:
-        segments.append(("scale", scale.reshape(1)))
+    if scale is not None:  # a device tensor, or where reads are free a float
+        segments.append(("scale", scale.reshape(1) if isinstance(scale, torch.Tensor) else scale))
     if found is not None and watch._fused:
         segments.append(("found_inf", found.reshape(1)))
     segments.extend(grads.segments(watch.grads))
@@ -83,25 +88,58 @@ def _scalar_segments(watch: Any, scale: Optional[torch.Tensor], found: Optional[
     return segments
 
 
+def _host_flat(segments: list, observer: Any) -> tuple[Optional[torch.Tensor], Optional[dict]]:
+    """Where reads are free: the same bytes built on the host, with no op at all. The scalars are
+    read (``tolist``, free on the CPU) into doubles, the observer's host stats appended as they are
+    (a memcpy), and the flat tensor shares the bytearray's memory. Each op saved is ~15 us of a
+    CPU training step. Returns (flat, the observer's step structure)."""
+    values: list[float] = []
+    for _, t in segments:
+        if isinstance(t, torch.Tensor):
+            values.extend(t.reshape(-1).tolist())
+        elif isinstance(t, list):
+            values.extend(t)
+        else:
+            values.append(float(t))
+    buf = bytearray(array("d", values))
+    loc = None
+    if observer is not None:
+        marks = [t.cpu().numpy().tobytes() for t in observer.first_bytes()]
+        loc = observer.take()  # flushes what is pending into the host stats
+        buf += observer.stats_host_bytes()
+        for mark in marks:
+            buf += mark
+    return (torch.frombuffer(buf, dtype=torch.uint8) if buf else None), loc
+
+
 def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.Tensor], now: float) -> StepPack:
     """The StepPack for the step that ends now (the observer starts its next step)."""
-    state, dev, dt = watch.state, watch._device, watch._pack_dtype
+    state, dev = watch.state, watch._device
+    dt = torch.float64 if watch._reads_free else watch._pack_dtype  # the host path packs doubles
     host_metrics: dict[str, float] = {}
     segments = _scalar_segments(watch, scale, found, host_metrics)
     layout, offset = {}, 0
     for key, t in segments:
-        layout[key] = (offset, t.numel())
-        offset += t.numel()
-    parts = [torch.cat([t.to(dev, dt) for _, t in segments]).view(torch.uint8)] if segments else []
+        n = t.numel() if isinstance(t, torch.Tensor) else len(t) if isinstance(t, list) else 1
+        layout[key] = (offset, n)
+        offset += n
     scalar_bytes = offset * torch.empty((), dtype=dt).element_size()
     observer, loc = watch.observer, None
-    if observer is not None:
-        parts.extend(observer.buffer.as_bytes())
-        parts.extend(observer.first_bytes())
-        loc = observer.take()
     flat = ready = None
-    if parts:
-        flat, ready = _transfer(torch.cat(parts) if len(parts) > 1 else parts[0])
+    if watch._reads_free:
+        flat, loc = _host_flat(segments, observer)
+    else:
+        parts = []
+        if segments:  # one op: cat converts every segment into the pack dtype as it copies
+            scalars = torch.empty(offset, dtype=dt, device=dev)
+            parts.append(torch.cat([t.to(dev) for _, t in segments], out=scalars).view(torch.uint8))
+        if observer is not None:
+            parts.extend(observer.stats_parts())
+            parts.extend(observer.first_bytes())
+            loc = observer.take()
+        if parts:
+            flat, ready = _transfer(torch.cat(parts) if len(parts) > 1 else parts[0],
+                                    fresh=bool(segments) or len(parts) > 1)
     if observer is not None:
         observer.reset_buffer(first=bool(loc and loc["first"]))  # stream-ordered after the copy above
     lr = watch.optimizer.param_groups[0].get("lr") if watch.optimizer.param_groups else None
@@ -112,4 +150,5 @@ def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.T
         flat=flat, ready=ready, layout=layout, host_metrics=host_metrics,
         norm_ids=watch.grads.norm_ids, detail_ids=watch.grads.detail_ids, param_numel=watch._param_numel,
         loc=loc, scalar_bytes=scalar_bytes, pack_dtype=dt,
-        exact_counts=probes.reads_are_free(dev))
+        exact_counts=watch._reads_free,
+        host_stats=observer is not None and observer.host_stats)

@@ -21,10 +21,11 @@ import torch
 
 from .. import clipwatch, probes
 from ..backward import BackwardEnd
+from ..counterfactual import check_step
 from ..runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
 from ..settings import resolve
 from ..writer import RunWriter
-from .grads import GradMeter, inverse
+from .grads import GradMeter
 from .observe import ModuleObserver
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
@@ -89,6 +90,7 @@ class Watch:
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._pack_dtype = probes.pack_dtype(self._device)
+        self._reads_free = probes.reads_are_free(self._device)  # fixed for the run: asked once
         self._fused = probes.steps_inside_kernel(self.optimizer)
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
@@ -126,6 +128,7 @@ class Watch:
         module_names: list[str] = []
         if self.options["localize"]:
             self.observer = ModuleObserver(_uncompiled(self.model), self._device)
+            self.observer.on_error = self._fail
             module_names = self.observer.names
             if self.options["fp32_check"]:
                 from ..counterfactual import InputKeeper
@@ -228,11 +231,11 @@ class Watch:
         scaling = self.scaler is not None and probes.scaler_enabled(self.scaler)
         if scaling and probes.optimizer_stage_unscaled(self.scaler, self.optimizer):
             return  # backward after unscale_ (unusual): leave it to the step-time measurement
-        scale = probes.scale_tensor(self.scaler) if scaling else None
-        if scaling and scale is None:
+        inv_scale = probes.inverse_scale(self.scaler, self._reads_free) if scaling else None
+        if scaling and inv_scale is None:
             return
         self.grads.reset()
-        self.grads.measure(self._detail_step(), None if scale is None else inverse(scale))
+        self.grads.measure(self._detail_step(), inv_scale)
         self.grads.at_backward = True
 
     # -- scaler moments (called by ScalerHooks) ---------------------------------------------------------
@@ -259,9 +262,9 @@ class Watch:
         if (self._fused and probes.scaler_enabled(self.scaler)
                 and not probes.optimizer_stage_unscaled(self.scaler, self.optimizer)):
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
-            scale = probes.scale_tensor(self.scaler)
-            if scale is not None:
-                self.grads.measure(self._detail_step(), inv_scale=inverse(scale))
+            inv_scale = probes.inverse_scale(self.scaler, self._reads_free)
+            if inv_scale is not None:
+                self.grads.measure(self._detail_step(), inv_scale=inv_scale)
 
     def after_scaler_step(self) -> None:
         skipped = probes.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
@@ -274,7 +277,6 @@ class Watch:
     def _fp32_check(self, skipped: bool) -> None:
         """The fp32 recompute of a forward origin (counterfactual.py), before weights change."""
         if self.observer is not None and self.observer.keeper is not None:
-            from ..counterfactual import check_step
             check_step(self.observer, skipped)
 
     def before_update(self) -> Optional[tuple]:
@@ -282,8 +284,12 @@ class Watch:
             return None
         if not probes.scaler_enabled(self.scaler):
             return None, None
-        # the scale this step's grads carried, and the inf flags: device tensors, no sync
-        return probes.scale_tensor(self.scaler), probes.found_inf(self.scaler, self.optimizer)
+        # the scale this step's grads carried (copied: update() changes it in place), and with fused
+        # optimizers the inf flags: device tensors, no sync
+        found = probes.found_inf(self.scaler, self.optimizer) if self._fused else None
+        if self._reads_free:  # read now: a float needs no copy to survive update()
+            return probes.scale_value(self.scaler), found
+        return probes.scale_snapshot(self.scaler, self._pack_dtype), found
 
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
