@@ -304,3 +304,109 @@ def test_origin_in_a_containers_own_code_names_the_child_it_flows_into(tmp_path,
     origin = ev[ev.origin & (ev.phase == kind)]
     assert origin[["module", "flows_into"]].values.tolist() == [["blk", into]]
     assert ev.loc[~ev.origin, "flows_into"].isna().all()
+
+
+class InPlaceAfterChild(nn.Module):
+    """The container's own code overflows a child's output in place, between two children."""
+
+    def __init__(self, fault_step: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.calls, self.fault_step = 0, fault_step
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.calls == self.fault_step:
+            h.mul_(1e6)  # fp16: inf, made here and not by ``a``
+        self.calls += 1
+        return self.b(h)
+
+
+@pytest.mark.parametrize("fault_step", [0, 2], ids=["learning-step", "steady-state"])
+def test_a_childs_output_changed_in_place_is_not_blamed_on_the_child(tmp_path, record_path, fault_step):
+    """Observations are reduced after the module returns (queued, then flushed): a tensor changed in
+    place in the meantime must not be measured as what its module made. The origin is the container."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("pre", nn.Linear(16, 16))
+    model.add_module("blk", InPlaceAfterChild(fault_step))
+    model.add_module("head", nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for step in range(4):
+            x, y = data(step)
+            amp_step(model, opt, scaler, x, y)
+    run = ampwatch.load(watch.path)
+    ev = run.events
+    origin = ev[ev.origin & (ev.phase == "forward")]
+    assert origin[["step", "module"]].values.tolist() == [[fault_step, "blk"]]
+    assert "blk.a" not in set(ev.loc[ev.phase == "forward", "module"])  # its own output was finite
+    assert run.steps.set_index("step").loc[fault_step, "skipped"]
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def forward(self, x):
+        return self.inner(x)  # its output is its last descendant's, the very same tensor
+
+
+def test_a_containers_output_is_read_from_its_last_childs_slot(tmp_path, record_path):
+    """Nested containers that hand on a child's output are observed once (one reduction, one
+    gradient hook), yet every level still has its forward and backward rows, equal to the child's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Wrapper(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=1) as watch:
+        for step in range(3):
+            x, y = data(step)
+            amp_step(model, opt, scaler, x, y)
+        aliases = dict(watch.observer.aliases)
+    names = watch.observer.names
+    out_aliases = {(names[m], names[slot // 4]) for (m, role, _c, _p), slot in aliases.items() if role == 1}
+    assert {("1", "1.inner.1"), ("1.inner", "1.inner.1"), ("<model>", "2")} <= out_aliases
+    mods = ampwatch.load(watch.path).modules
+    last = mods[mods.step == 2].set_index(["module", "phase"])["amax"]
+    for container in ("1", "1.inner"):
+        assert last[(container, "forward")] == last[("1.inner.1", "forward")] > 0
+    assert last[("<model>", "forward")] == last[("2", "forward")]
+
+
+def test_observer_failure_stops_recording_and_training_goes_on(tmp_path):
+    """An internal failure inside a module hook warns once and stops recording: the user's step
+    completes and training continues with the same numbers as without ampwatch."""
+    torch.manual_seed(0)
+    model = mlp()
+    reference = mlp()
+    reference.load_state_dict(model.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
+    with pytest.warns(RuntimeWarning, match="stopped recording"):
+        with ampwatch.attach(model, opts[0], scalers[0], path=str(tmp_path / "r.sqlite")) as watch:
+            for step in range(4):
+                if step == 2:
+                    watch.observer._batch.add = lambda *a: 1 / 0  # an internal bug, as a hook meets it
+                x, y = data(step)
+                amp_step(model, opts[0], scalers[0], x, y)
+                amp_step(reference, opts[1], scalers[1], x, y)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    assert len(ampwatch.load(watch.path).steps) >= 2
+
+
+def test_a_training_mode_model_under_inference_mode_is_left_alone(tmp_path):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")):
+        x, y = data(0)
+        amp_step(model, opt, scaler, x, y)
+        with torch.inference_mode():
+            out = model(x)  # model.training is still True
+        amp_step(model, opt, scaler, x, y)
+    assert out.shape[0] == x.shape[0]

@@ -14,7 +14,9 @@ What is given up against ``aminmax``: a slot holding both NaN and inf reads as N
 ``nan``). A tensor changed in place while it waited (``ReLU(inplace=True)`` on a Linear's output, an
 in-place residual add) would be measured as changed: modules seen to work in place flush the
 pending tensors before they run, and a pending tensor whose version moved by the flush marks its
-slot *volatile* (reduced at once from then on; this step's value for it is the changed one).
+slot *changed* for this step (its value then counts for the modules that read it, not for the one
+that made it) and *volatile*: reduced at once from then on, and never again read by another module
+in its place (the observer re-learns its aliases).
 
 Where reads are free (CPU) the same queue defers the per-tensor ``aminmax`` (``reduce_now``) to the
 flush: run back to back, an op costs about half its host time in the middle of a training step
@@ -46,6 +48,7 @@ class BatchedReducer:
         self._reduce_now = reduce_now
         self._limit = CHUNK_BYTES if reduce_now is None else HOST_CHUNK_BYTES
         self.volatile: set[int] = set()  # slots whose tensors were changed in place while pending
+        self.changed: set[int] = set()   # this step's such slots (the observer takes and clears it)
         self._count = 0
         self._bytes = 0
         self._values: list[list[torch.Tensor]] = [[] for _ in range(dtypes)]  # 0-d maxima
@@ -76,8 +79,13 @@ class BatchedReducer:
             if not tensors:
                 continue
             slots, versions = self._pending_slots[d], self._versions[d]
-            for t, slot, version in zip(tensors, slots, versions):
-                if t._version != version:  # changed in place since it was observed: reduce at once next time
+            for t, slot, v in zip(tensors, slots, versions):
+                if t._version != v:
+                    # changed in place since it was observed: its value now is what the modules
+                    # that read it later saw, not what its own module made (``changed``: the origin
+                    # analysis does not hold it against that module), and from now on the slot is
+                    # reduced at once
+                    self.changed.add(slot)
                     self.volatile.add(slot)
             if self._reduce_now is not None:
                 for t, slot in zip(tensors, slots):

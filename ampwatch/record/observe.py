@@ -267,13 +267,16 @@ class ModuleObserver:
         if self._learning and self._calls:
             self.order = list(dict.fromkeys(self._finish))
             self._learned_calls = self._calls
-        step = {"aliases": self.aliases, "order": self.order, "counts": self.counts,
+        changed = self._batch.changed
+        step = {"aliases": self.aliases, "order": self.order, "counts": self.counts, "changed": frozenset(changed),
                 "observed": bool(self._calls) or self._wrote,
                 "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax}
         if self.keeper is not None:
             self.keeper.clear()  # the step's kept inputs are released here
         # re-learn only when the structure visibly changed (the number of module calls)
-        self._learning = self._calls != self._learned_calls and not (self._calls == 0 and self.order)
+        self._learning = (self._calls != self._learned_calls and not (self._calls == 0 and self.order)
+                          or bool(changed))  # a slot turned volatile: no module may read it any more
+        changed.clear()
         if self._learning:
             self.aliases = {}
         self._new_step()
@@ -320,7 +323,8 @@ class ModuleObserver:
         if not origins.any_nonfinite(values):
             return None
         order = self.order if not self._learning else list(dict.fromkeys(self._finish))
-        return origins.analyse(values, self.aliases, order or None, names)[1][origins.FORWARD]
+        return origins.analyse(values, self.aliases, order or None, names,
+                               frozenset(self._batch.changed))[1][origins.FORWARD]
 
     def _failed(self, exc: Exception) -> None:
         self.active = False
@@ -427,7 +431,8 @@ class ModuleObserver:
         for pos, t in enumerate(tensors):
             if learning:
                 hit = self._seen.get(id(t))
-                if hit is not None and hit[0]() is t and hit[2] == t._version:  # another module's, unchanged
+                if (hit is not None and hit[0]() is t and hit[2] == t._version
+                        and hit[1] not in self._batch.volatile):  # another module's, unchanged
                     self.aliases[(index, IN, call, pos)] = hit[1]
                     continue
                 self._seen[id(t)] = (weakref.ref(t), base + IN, t._version)
@@ -510,7 +515,7 @@ class ModuleObserver:
             if learning:
                 hit = self._seen.get(id(t))
                 if (index not in self._inplace and hit is not None and hit[0]() is t
-                        and hit[2] == t._version):  # a child's output handed on unchanged
+                        and hit[2] == t._version and hit[1] not in self._batch.volatile):  # a child's, unchanged
                     self.aliases[(index, OUT, call, pos)] = hit[1]
                     continue
                 self._seen[id(t)] = (weakref.ref(t), base + OUT, t._version)

@@ -139,11 +139,14 @@ def _seen_at(m: int, values: dict[int, SlotValue], gins: list[int], rank: dict[i
 
 
 def analyse(values: dict[int, SlotValue], aliases: dict, order: Optional[list[int]],
-            names: list[str]) -> tuple[dict[tuple[int, str], ModuleStat], dict[str, Optional[int]]]:
+            names: list[str], changed: frozenset = frozenset()
+            ) -> tuple[dict[tuple[int, str], ModuleStat], dict[str, Optional[int]]]:
     """Per (module, phase) statistics and the origin module of each phase (or None).
 
     Forward: a module whose output is non-finite while its inputs were finite. Backward: a module
     whose gradient w.r.t. its input is non-finite while the gradient w.r.t. its output was finite.
+    ``changed``: output slots whose tensor was changed in place after its module returned (measured
+    as changed: it counts for the modules that read it, not for the one that made it).
     """
     n = len(names)
     ins, gins, outs, gouts = _role_slots(n, aliases)
@@ -152,7 +155,8 @@ def analyse(values: dict[int, SlotValue], aliases: dict, order: Optional[list[in
     fwd, bwd = [], []
     seen: dict[int, tuple] = {}
     for m in range(n):
-        out = _fold(values, outs[m])
+        own = ROLES * m + OUT
+        out = _fold(values, [s for s in outs[m] if s != own or s not in changed] if changed else outs[m])
         if out is not None:
             stats[(m, FORWARD)] = _stat(out)
             inp = _fold(values, ins[m])

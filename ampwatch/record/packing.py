@@ -224,7 +224,8 @@ class _Analysis:
                                                first, loc.get("micro_batches", 1))
         if not force and pack.step % reader.layer_every and not origins.any_nonfinite(self._values):
             return None
-        stats, found = origins.analyse(self._values, loc["aliases"], loc["order"], reader.module_names)
+        stats, found = origins.analyse(self._values, loc["aliases"], loc["order"], reader.module_names,
+                                       loc.get("changed", frozenset()))
         self._result = (self._values, stats, found)
         return self._result
 

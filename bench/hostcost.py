@@ -1,0 +1,107 @@
+"""Host time ampwatch adds per step on GPT-2 small's module structure: a CPU proxy for the GPU.
+
+On a GPU an eager GPT-2 small step is host-bound (bench/gpu_gpt2.py: ~72 ms of Python and kernel
+launches on an H100), so what ampwatch costs there is mostly host time: hooks, bookkeeping and
+the launches of its own ops. This measures that host time where no GPU is lent: GPT-2 small's
+exact module tree (``transformers.GPT2Config()``: 12 blocks, 164 modules, 148 parameters) with
+tiny widths (``n_embd`` 48, 16 tokens), so the arithmetic is negligible and a step is almost all
+dispatch, on the accelerator path (``AMPWATCH_CPU_AS_ACCELERATOR=1``: no free host reads, the
+reductions batched as on CUDA). Reported: the added milliseconds per step (median of paired
+block differences, variants interleaved, one thread), at the defaults and with ``localize=False``.
+
+A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
+is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
+
+    python bench/hostcost.py --rounds 30 --steps 10
+    python bench/hostcost.py --path cpu        # the free-reads path instead
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PATH_ARG = "cpu" if "--path" in sys.argv and sys.argv[sys.argv.index("--path") + 1] == "cpu" else "accelerator"
+if PATH_ARG == "accelerator":
+    os.environ["AMPWATCH_CPU_AS_ACCELERATOR"] = "1"  # before ampwatch is imported
+
+import torch  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ampwatch  # noqa: E402
+
+
+def model_and_batch(seq: int = 16):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=48, n_head=12, n_positions=64, vocab_size=256)  # GPT-2 small's 12 layers
+    model = GPT2LMHeadModel(config)
+    model.train()
+    x = torch.randint(0, config.vocab_size, (1, seq))
+    return model, x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("ampwatch").setLevel(logging.WARNING)
+    model, x = model_and_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(x).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    folder = tempfile.mkdtemp()
+    counter = iter(range(10 ** 9))
+
+    def watched(**options):
+        def run(k: int) -> float:
+            with ampwatch.attach(model, opt, scaler, path=f"{folder}/run{next(counter)}.sqlite", **options):
+                for _ in range(3):  # the learning step, then steady state
+                    step()
+                return statistics.median(step() for _ in range(k))
+        return run
+
+    variants = {"base": lambda k: statistics.median(step() for _ in range(k)),
+                "ampwatch": watched(), "localize=False": watched(localize=False)}
+    for run in variants.values():
+        run(2)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(variants[name](args.steps))
+    modules = len(list(model.modules()))
+    params = len(list(model.parameters()))
+    print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
+          f"torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, 1 thread\n")
+    print("| variant | median step ms | added ms/step (median paired) |")
+    print("|---|---|---|")
+    for name in names:
+        added = statistics.median(v - b for v, b in zip(times[name], times["base"])) * 1e3
+        print(f"| {name} | {statistics.median(times[name]) * 1e3:.2f} | {added:+.2f} |")
+
+
+if __name__ == "__main__":
+    main()
