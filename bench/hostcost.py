@@ -40,7 +40,8 @@ import ampwatch  # noqa: E402
 def model_and_batch(seq: int = 16):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=48, n_head=12, n_positions=64, vocab_size=256)  # GPT-2 small's 12 layers
+    config = GPT2Config(n_embd=48, n_head=12, n_positions=64, vocab_size=256,  # GPT-2 small's 12 layers
+                        bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     model.train()
     x = torch.randint(0, config.vocab_size, (1, seq))

@@ -218,6 +218,7 @@ class ModuleObserver:
         self.active = True
         # learned structure: (module, IN or OUT, call, position) of a tensor -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int, int], int] = {}
+        self._targets: set[int] = set()  # the slots aliases point to (their tensors are checked each step)
         self.order: Optional[list[int]] = None  # modules in forward finish order (first call)
         self._learned_calls = -1
         self._learning = True
@@ -245,7 +246,23 @@ class ModuleObserver:
         self._pre.add(index)
 
     # -- per step --------------------------------------------------------------------------------
+    def _aliased(self, key: tuple[int, int, int, int], t: torch.Tensor) -> bool:
+        """Steady state: ``t`` is the very tensor its learned alias slot holds this step, so it need
+        not be observed again. A model may hand on a different tensor on some steps (a wrapper
+        that returns its child's output, except when it changes it): then the alias is broken for
+        this step (left out of the analysis) and ``t`` is observed in its own slot."""
+        slot = self.aliases.get(key)
+        if slot is None:
+            return False
+        held = self._held.get(slot)
+        if held is not None and held() is t:
+            return True
+        self._broken.add(key)
+        return False
+
     def _new_step(self) -> None:
+        self._held: dict[int, Any] = {}  # alias target slot -> weak reference to its tensor this step
+        self._broken: set[tuple[int, int, int, int]] = set()  # aliases that did not hold this step
         self._wrote = False
         self._calls = 0
         self._call_of: dict[int, int] = {}
@@ -267,8 +284,10 @@ class ModuleObserver:
         if self._learning and self._calls:
             self.order = list(dict.fromkeys(self._finish))
             self._learned_calls = self._calls
+            self._targets = set(self.aliases.values())
         changed = self._batch.changed
-        step = {"aliases": self.aliases, "order": self.order, "counts": self.counts, "changed": frozenset(changed),
+        aliases = self.aliases if not self._broken else {k: v for k, v in self.aliases.items() if k not in self._broken}
+        step = {"aliases": aliases, "order": self.order, "counts": self.counts, "changed": frozenset(changed),
                 "observed": bool(self._calls) or self._wrote,
                 "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax}
         if self.keeper is not None:
@@ -279,6 +298,7 @@ class ModuleObserver:
         changed.clear()
         if self._learning:
             self.aliases = {}
+            self._targets = set()
         self._new_step()
         return step
 
@@ -323,7 +343,8 @@ class ModuleObserver:
         if not origins.any_nonfinite(values):
             return None
         order = self.order if not self._learning else list(dict.fromkeys(self._finish))
-        return origins.analyse(values, self.aliases, order or None, names,
+        aliases = {k: v for k, v in self.aliases.items() if k not in self._broken}
+        return origins.analyse(values, aliases, order or None, names,
                                frozenset(self._batch.changed))[1][origins.FORWARD]
 
     def _failed(self, exc: Exception) -> None:
@@ -436,8 +457,10 @@ class ModuleObserver:
                     self.aliases[(index, IN, call, pos)] = hit[1]
                     continue
                 self._seen[id(t)] = (weakref.ref(t), base + IN, t._version)
-            elif (index, IN, call, pos) in self.aliases:
+            elif self._aliased((index, IN, call, pos), t):
                 continue
+            if base + IN in self._targets:
+                self._held[base + IN] = weakref.ref(t)
             self._write(t, base + IN)
             self._watch_grad(t, base + GIN)
 
@@ -519,8 +542,10 @@ class ModuleObserver:
                     self.aliases[(index, OUT, call, pos)] = hit[1]
                     continue
                 self._seen[id(t)] = (weakref.ref(t), base + OUT, t._version)
-            elif (index, OUT, call, pos) in self.aliases:
+            elif self._aliased((index, OUT, call, pos), t):
                 continue
+            if base + OUT in self._targets:
+                self._held[base + OUT] = weakref.ref(t)
             bad = self._write(t, base + OUT) or bad
             self._watch_grad(t, base + GOUT)
         if bad and self.keeper is not None:  # free reads, reduced at once: this call's output is non-finite
