@@ -246,6 +246,26 @@ class ModuleObserver:
         self._pre.add(index)
 
     # -- per step --------------------------------------------------------------------------------
+    def _held_elsewhere(self, key: tuple[int, int, int, int], t: torch.Tensor, slot: int,
+                        may_alias: bool = True) -> bool:
+        """True when ``t`` (position ``key``, own ``slot``) need not be observed: it is the very
+        tensor, unchanged, that another slot holds. Learning steps find such aliases (never to a
+        volatile slot); later steps check them (:meth:`_aliased`) and note the tensors of the slots
+        that aliases point to."""
+        if self._learning:
+            hit = self._seen.get(id(t))
+            if (may_alias and hit is not None and hit[0]() is t and hit[2] == t._version
+                    and hit[1] not in self._batch.volatile):
+                self.aliases[key] = hit[1]
+                return True
+            self._seen[id(t)] = (weakref.ref(t), slot, t._version)
+            return False
+        if self._aliased(key, t):
+            return True
+        if slot in self._targets:
+            self._held[slot] = weakref.ref(t)
+        return False
+
     def _aliased(self, key: tuple[int, int, int, int], t: torch.Tensor) -> bool:
         """Steady state: ``t`` is the very tensor its learned alias slot holds this step, so it need
         not be observed again. A model may hand on a different tensor on some steps (a wrapper
@@ -448,19 +468,10 @@ class ModuleObserver:
 
     # -- hooks -------------------------------------------------------------------------------------
     def _observe_inputs(self, index: int, call: int, tensors: list[torch.Tensor]) -> None:
-        base, learning = ROLES * index, self._learning
+        base = ROLES * index
         for pos, t in enumerate(tensors):
-            if learning:
-                hit = self._seen.get(id(t))
-                if (hit is not None and hit[0]() is t and hit[2] == t._version
-                        and hit[1] not in self._batch.volatile):  # another module's, unchanged
-                    self.aliases[(index, IN, call, pos)] = hit[1]
-                    continue
-                self._seen[id(t)] = (weakref.ref(t), base + IN, t._version)
-            elif self._aliased((index, IN, call, pos), t):
+            if self._held_elsewhere((index, IN, call, pos), t, base + IN):
                 continue
-            if base + IN in self._targets:
-                self._held[base + IN] = weakref.ref(t)
             self._write(t, base + IN)
             self._watch_grad(t, base + GIN)
 
@@ -534,18 +545,10 @@ class ModuleObserver:
                 if index not in self._pre:
                     self._add_pre_hook(index)
         bad = False
+        may_alias = index not in self._inplace  # an in-place module's output is not its input's value
         for pos, t in enumerate(outputs):
-            if learning:
-                hit = self._seen.get(id(t))
-                if (index not in self._inplace and hit is not None and hit[0]() is t
-                        and hit[2] == t._version and hit[1] not in self._batch.volatile):  # a child's, unchanged
-                    self.aliases[(index, OUT, call, pos)] = hit[1]
-                    continue
-                self._seen[id(t)] = (weakref.ref(t), base + OUT, t._version)
-            elif self._aliased((index, OUT, call, pos), t):
+            if self._held_elsewhere((index, OUT, call, pos), t, base + OUT, may_alias):
                 continue
-            if base + OUT in self._targets:
-                self._held[base + OUT] = weakref.ref(t)
             bad = self._write(t, base + OUT) or bad
             self._watch_grad(t, base + GOUT)
         if bad and self.keeper is not None:  # free reads, reduced at once: this call's output is non-finite
