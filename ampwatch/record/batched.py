@@ -18,15 +18,15 @@ slot *changed* for this step (its value then counts for the modules that read it
 that made it) and *volatile*: reduced at once from then on, and never again read by another module
 in its place (the observer re-learns its aliases).
 
-Where reads are free (CPU) the same queue defers the per-tensor ``aminmax`` (``reduce_now``) to the
-flush: run back to back, an op costs about half its host time in the middle of a training step
-(a cold dispatcher), and a hook costs one ``append``. There the queue is also flushed at the end of
-each forward and bounded to ``HOST_CHUNK_BYTES``, as it holds gradients past their life.
+Where reads are free (CPU) :class:`.hoststats.HostQueue` plays this part: it defers one ``aminmax``
+per tensor to a flush at the end of each forward and of each step (run back to back, an op costs
+about half its host time in the middle of a training step: a cold dispatcher), bounded to
+``HOST_CHUNK_BYTES``, as it holds gradients past their life.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -36,17 +36,12 @@ HOST_CHUNK_BYTES = 64 << 20
 
 
 class BatchedReducer:
-    """Pending tensors per dtype index; reduced per chunk; folded into the stats views per step.
+    """Pending tensors per dtype index; reduced per chunk; folded into the stats views per step."""
 
-    ``reduce_now(t, slot)``: reduce each tensor with it at the flush instead of ``_foreach_norm``
-    (the free-reads path)."""
-
-    def __init__(self, dtypes: int, reduce_now: Optional[Callable[[torch.Tensor, int], Any]] = None) -> None:
+    def __init__(self, dtypes: int) -> None:
         self._pending: list[list[torch.Tensor]] = [[] for _ in range(dtypes)]
         self._pending_slots: list[list[int]] = [[] for _ in range(dtypes)]
         self._versions: list[list[int]] = [[] for _ in range(dtypes)]
-        self._reduce_now = reduce_now
-        self._limit = CHUNK_BYTES if reduce_now is None else HOST_CHUNK_BYTES
         self.volatile: set[int] = set()  # slots whose tensors were changed in place while pending
         self.changed: set[int] = set()   # this step's such slots (the observer takes and clears it)
         self._count = 0
@@ -62,12 +57,11 @@ class BatchedReducer:
         self._versions[d].append(t._version)
         self._count += 1
         self._bytes += t.numel() * t.element_size()
-        if self._count >= CHUNK or self._bytes >= self._limit:
+        if self._count >= CHUNK or self._bytes >= CHUNK_BYTES:
             self.flush()
 
     def flush(self) -> None:
-        """Reduce every pending tensor now (one multi-tensor launch per dtype, or one ``reduce_now``
-        per tensor where reads are free). Hooks queue tensors as they are, maybe requiring grad:
+        """Reduce every pending tensor now (one multi-tensor launch per dtype). Hooks queue tensors as they are, maybe requiring grad:
         reduced here under ``no_grad``, nothing is recorded for autograd."""
         if not self._count:
             return
@@ -87,12 +81,8 @@ class BatchedReducer:
                     # reduced at once
                     self.changed.add(slot)
                     self.volatile.add(slot)
-            if self._reduce_now is not None:
-                for t, slot in zip(tensors, slots):
-                    self._reduce_now(t, slot)
-            else:
-                self._values[d].extend(torch._foreach_norm(tensors, math.inf))
-                self._slots[d].extend(slots)
+            self._values[d].extend(torch._foreach_norm(tensors, math.inf))
+            self._slots[d].extend(slots)
             tensors.clear()
             slots.clear()
             versions.clear()

@@ -39,8 +39,13 @@ class GradMeter:
         that where reads are free the norms are read to decide whether detail is needed."""
         if self.norms is not None:
             return
-        ids = [i for i, p in enumerate(self.params) if p.grad is not None]
-        norms = probes.tensor_norms([self.params[i].grad for i in ids], self.device)
+        ids, grads = [], []
+        for i, p in enumerate(self.params):  # each .grad read makes a Python object: once
+            g = p.grad
+            if g is not None:
+                ids.append(i)
+                grads.append(g)
+        norms = probes.tensor_norms(grads, self.device)
         known_finite = None
         if self.reads_free:
             norms = norms.tolist()
@@ -52,6 +57,11 @@ class GradMeter:
         self.norms, self.norm_ids = norms, ids
         if detail_step or (known_finite and not all(known_finite)):
             self.measure_detail(known_finite, inv_scale, counts=bool(known_finite))
+
+    def known_bad(self) -> bool:
+        """Where reads are free: a measured gradient norm is non-finite (the gradient holds NaN/inf,
+        or its float32 norm overflowed). False where the norms stay on the device (unknown)."""
+        return isinstance(self.norms, list) and not all(map(math.isfinite, self.norms))
 
     def measure_detail(self, known_finite: Optional[list] = None,
                        inv_scale: Optional[Union[torch.Tensor, float]] = None,

@@ -22,9 +22,9 @@ the stats buffer), so Dynamo traces them into the graph with no graph break; gra
 ``Tensor.register_hook``, which Dynamo also traces (eager registers a pre-hook on the tensor's
 ``grad_fn`` instead: the same gradient, at half the host cost).
 
-Where reads are free (CPU) the stats live on the host instead (:class:`HostStats`): a hook reduces
-its tensor with one ``aminmax``, reads the two numbers and folds them into an array of doubles,
-which the step pack copies whole; nothing else touches a tensor. Writing each result into a
+Where reads are free (CPU) the stats live on the host instead (:mod:`.hoststats`): a hook queues
+its tensor; at the flush one ``aminmax`` per tensor is read into an array of doubles, which the
+step pack copies whole; nothing else touches a tensor. Writing each result into a
 buffer row (``out=`` views) and reading it back cost three times as much host time, and each op
 costs ~15 us inside a training step on the CPU.
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from array import array
 from functools import partial
 from typing import Any, Iterator, Optional
 
@@ -49,6 +48,7 @@ import torch
 
 from .. import probes
 from .batched import BatchedReducer
+from .hoststats import HostQueue, HostStats
 
 IN, OUT, GIN, GOUT = range(4)
 ROLES = 4
@@ -58,7 +58,6 @@ DTYPE_NAMES = tuple(str(dt).replace("torch.", "") for dt in DTYPES)
 
 
 _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the custom op
-_EMPTY = (math.inf, -math.inf)  # an unwritten slot: min +inf, max -inf
 
 
 @torch.library.custom_op("ampwatch::observe", mutates_args=())
@@ -110,36 +109,6 @@ def _inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:
     return _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
 
 
-class HostStats:
-    """Where reads are free: per dtype, per slot, (min, max) as doubles in one host array.
-
-    An array item write costs ~30 ns; a tensor over the same memory lets the step pack copy all of
-    it in its one concatenation. Values are exact: a float16/bfloat16/float32 min or max is a double."""
-
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-        self._empty = array("d", _EMPTY * (len(DTYPES) * slots))
-        self.values = array("d", self._empty)
-        self.tensor = torch.frombuffer(self.values, dtype=torch.float64)
-
-    def fold(self, d: int, slot: int, lo: float, hi: float) -> None:
-        values, i = self.values, 2 * (d * self.slots + slot)
-        if lo != lo or lo < values[i]:  # a NaN already there stays (NaN < x is false)
-            values[i] = lo
-        if hi != hi or hi > values[i + 1]:
-            values[i + 1] = hi
-
-    def views(self) -> list[torch.Tensor]:
-        """Per dtype the (S, 2) rows, as float64 tensors sharing the array's memory."""
-        return list(self.tensor.view(len(DTYPES), self.slots, 2).unbind(0))
-
-    def as_bytes(self) -> list[torch.Tensor]:
-        return [self.tensor.view(torch.uint8)]
-
-    def reset(self) -> None:
-        self.values[:] = self._empty  # a memcpy, no op
-
-
 class StatsBuffer:
     """Per dtype one (S, 2) min/max tensor on the device, allocated once, reset each step.
 
@@ -164,7 +133,7 @@ class StatsBuffer:
 
 def stats_bytes(slots: int, host: bool = False) -> int:
     """Bytes of the stats as ``as_bytes`` lays them out (what :func:`decode` reads): the device
-    buffer (:class:`StatsBuffer`) or, ``host``, the doubles of :class:`HostStats`."""
+    buffer (:class:`StatsBuffer`) or, ``host``, the doubles of :class:`.hoststats.HostStats`."""
     if host:
         return len(DTYPES) * slots * 2 * 8
     return sum(slots * 2 * torch.empty((), dtype=dt).element_size() for dt in DTYPES)
@@ -204,10 +173,10 @@ class ModuleObserver:
         self._id = id(self)
         _OBSERVERS[self._id] = self
         if self._reads_free:  # CPU: stats on the host, read as they are made
-            self._host: Optional[HostStats] = HostStats(self.slots)
+            self._host: Optional[HostStats] = HostStats(len(DTYPES), self.slots)
             self.buffer: Any = self._host
             self._views = self._host.views()
-            self._batch = BatchedReducer(len(DTYPES), self._reduce_pending)
+            self._batch: Any = HostQueue(self._host, self._host_nonfinite)
         else:  # accelerator: a device buffer, reductions batched per chunk (batched.py)
             self._host = None
             self.buffer = StatsBuffer(self.slots, device)
@@ -219,6 +188,7 @@ class ModuleObserver:
         # learned structure: (module, IN or OUT, call, position) of a tensor -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int, int], int] = {}
         self._targets: set[int] = set()  # the slots aliases point to (their tensors are checked each step)
+        self._alias_modules: set[int] = set()  # modules with an input or output alias
         self.order: Optional[list[int]] = None  # modules in forward finish order (first call)
         self._learned_calls = -1
         self._learning = True
@@ -246,38 +216,32 @@ class ModuleObserver:
         self._pre.add(index)
 
     # -- per step --------------------------------------------------------------------------------
-    def _held_elsewhere(self, key: tuple[int, int, int, int], t: torch.Tensor, slot: int,
+    def _held_elsewhere(self, index: int, role: int, call: int, pos: int, t: torch.Tensor, slot: int,
                         may_alias: bool = True) -> bool:
-        """True when ``t`` (position ``key``, own ``slot``) need not be observed: it is the very
-        tensor, unchanged, that another slot holds. Learning steps find such aliases (never to a
-        volatile slot); later steps check them (:meth:`_aliased`) and note the tensors of the slots
-        that aliases point to."""
+        """True when ``t`` (input or output ``pos`` of ``call`` of module ``index``, own ``slot``)
+        need not be observed: it is the very tensor, unchanged, that another slot holds. Learning
+        steps find such aliases (never to a volatile slot). Later steps check them: a model may hand
+        on a different tensor on some steps (a wrapper that returns its child's output, except when
+        it changes it); then the alias is broken for this step (left out of the analysis) and ``t``
+        is observed in its own slot. They also note the tensors of the slots aliases point to."""
         if self._learning:
             hit = self._seen.get(id(t))
             if (may_alias and hit is not None and hit[0]() is t and hit[2] == t._version
                     and hit[1] not in self._batch.volatile):
-                self.aliases[key] = hit[1]
+                self.aliases[(index, role, call, pos)] = hit[1]
                 return True
             self._seen[id(t)] = (weakref.ref(t), slot, t._version)
             return False
-        if self._aliased(key, t):
-            return True
+        if index in self._alias_modules:  # most modules have none: no key is built for them
+            key = (index, role, call, pos)
+            target = self.aliases.get(key)
+            if target is not None:
+                held = self._held.get(target)
+                if held is not None and held() is t:
+                    return True
+                self._broken.add(key)
         if slot in self._targets:
             self._held[slot] = weakref.ref(t)
-        return False
-
-    def _aliased(self, key: tuple[int, int, int, int], t: torch.Tensor) -> bool:
-        """Steady state: ``t`` is the very tensor its learned alias slot holds this step, so it need
-        not be observed again. A model may hand on a different tensor on some steps (a wrapper
-        that returns its child's output, except when it changes it): then the alias is broken for
-        this step (left out of the analysis) and ``t`` is observed in its own slot."""
-        slot = self.aliases.get(key)
-        if slot is None:
-            return False
-        held = self._held.get(slot)
-        if held is not None and held() is t:
-            return True
-        self._broken.add(key)
         return False
 
     def _new_step(self) -> None:
@@ -305,6 +269,7 @@ class ModuleObserver:
             self.order = list(dict.fromkeys(self._finish))
             self._learned_calls = self._calls
             self._targets = set(self.aliases.values())
+            self._alias_modules = {key[0] for key in self.aliases}
         changed = self._batch.changed
         aliases = self.aliases if not self._broken else {k: v for k, v in self.aliases.items() if k not in self._broken}
         step = {"aliases": aliases, "order": self.order, "counts": self.counts, "changed": frozenset(changed),
@@ -319,8 +284,24 @@ class ModuleObserver:
         if self._learning:
             self.aliases = {}
             self._targets = set()
+            self._alias_modules = set()
         self._new_step()
         return step
+
+    def backward_done(self, needed: bool) -> None:
+        """A backward pass ended. Where reads are free, what is pending (this micro-batch's module
+        values, forward and backward) is reduced only when ``needed``: the step's loss or gradients
+        are non-finite, or module rows are written this step (``layer_every``). On other steps
+        nothing would be written from them: their reductions are skipped, ~11 ops of ~12 us each on
+        a small MLP. (A non-finite value masked before it reaches the loss and the gradients,
+        -inf through a ReLU, is then seen on ``layer_every`` steps only.) Learning steps always
+        reduce: they learn which slots change in place while pending."""
+        if self._host is None or self._learning:
+            return
+        if needed:
+            self._batch.flush()
+        else:
+            self._batch.drop()
 
     def first_bytes(self) -> list[torch.Tensor]:
         """The micro-batch marks as bytes, when this step made any (several micro-batches)."""
@@ -408,11 +389,18 @@ class ModuleObserver:
         self._batch.add(d, t, slot)  # reduced with its chunk (batched.py)
         return False
 
-    def _reduce_pending(self, t: torch.Tensor, slot: int) -> None:
-        """Free reads: a queued tensor reduced at the flush; a module output found non-finite there
-        pins that call's kept inputs for the fp32 recompute (counterfactual.py)."""
-        if self.reduce_now(t, slot) and self.keeper is not None and slot % ROLES == OUT:
+    def _host_nonfinite(self, t: torch.Tensor, slot: int) -> None:
+        """Free reads: a queued tensor found non-finite at the flush. Its exact NaN/inf counts; a
+        module output pins that call's kept inputs for the fp32 recompute (counterfactual.py)."""
+        if self._count(t, slot) and self.keeper is not None and slot % ROLES == OUT:
             self.keeper.settle(slot // ROLES)
+
+    def _count(self, t: torch.Tensor, slot: int) -> bool:
+        c = self.counts.setdefault(slot, [0.0, 0.0])
+        nan, inf = float(torch.isnan(t).sum()), float(torch.isinf(t).sum())
+        c[0] += nan
+        c[1] += inf
+        return bool(nan or inf)
 
     def reduce_now(self, t: torch.Tensor, slot: int) -> bool:
         """One ``aminmax`` of ``t`` folded into ``slot`` now (eager on the CPU; the custom op's body).
@@ -430,11 +418,7 @@ class ModuleObserver:
         self._host.fold(d, slot, lo, hi)
         if math.isfinite(lo) and math.isfinite(hi):
             return False
-        c = self.counts.setdefault(slot, [0.0, 0.0])
-        nan, inf = float(torch.isnan(t).sum()), float(torch.isinf(t).sum())
-        c[0] += nan
-        c[1] += inf
-        return bool(nan or inf)
+        return self._count(t, slot)
 
     def _watch_grad(self, t: torch.Tensor, slot: int) -> None:
         """Eager: observe the gradient of ``t`` into ``slot`` when backward reaches it."""
@@ -445,10 +429,10 @@ class ModuleObserver:
             t.register_hook(partial(self._on_grad, slot))
             return
         # a pre-hook on its node: the gradient a tensor hook would see, at half the host cost
-        key = (slot, t.output_nr)
-        hook = self._grad_hooks.get(key)
+        output = t.output_nr
+        hook = self._grad_hooks.get((slot, output))
         if hook is None:
-            hook = self._grad_hooks[key] = partial(self._on_node_grad, slot, t.output_nr)
+            hook = self._grad_hooks[(slot, output)] = partial(self._on_node_grad, slot, output)
         node.register_prehook(hook)
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
@@ -463,14 +447,24 @@ class ModuleObserver:
                 self._failed(exc)
 
     def _on_node_grad(self, slot: int, output: int, grads: tuple) -> None:
-        if output < len(grads):
-            self._on_grad(slot, grads[output])
+        # the eager path's own copy of _on_grad: a Python call less per gradient
+        if not self.active or output >= len(grads):
+            return
+        grad = grads[output]
+        if grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
+            if _compiling():  # compiled autograd traces node hooks too
+                torch.ops.ampwatch.observe(grad.detach(), self._id, slot)
+                return
+            try:
+                self._write(grad, slot)
+            except Exception as exc:
+                self._failed(exc)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _observe_inputs(self, index: int, call: int, tensors: list[torch.Tensor]) -> None:
         base = ROLES * index
         for pos, t in enumerate(tensors):
-            if self._held_elsewhere((index, IN, call, pos), t, base + IN):
+            if self._held_elsewhere(index, IN, call, pos, t, base + IN):
                 continue
             self._write(t, base + IN)
             self._watch_grad(t, base + GIN)
@@ -547,7 +541,7 @@ class ModuleObserver:
         bad = False
         may_alias = index not in self._inplace  # an in-place module's output is not its input's value
         for pos, t in enumerate(outputs):
-            if self._held_elsewhere((index, OUT, call, pos), t, base + OUT, may_alias):
+            if self._held_elsewhere(index, OUT, call, pos, t, base + OUT, may_alias):
                 continue
             bad = self._write(t, base + OUT) or bad
             self._watch_grad(t, base + GOUT)
@@ -555,5 +549,4 @@ class ModuleObserver:
             self.keeper.settle(index)
         if learning:
             self._finish.append(index)
-        if index == 0 and self._host is not None:
-            self._batch.flush()  # the forward is over: reduce its tensors back to back
+

@@ -36,7 +36,7 @@ class StepPack:
     scalar_bytes: int = 0              # flat[:scalar_bytes] holds the scalars, the rest the module stats
     pack_dtype: torch.dtype = torch.float64
     exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
-    host_stats: bool = False           # the module stats are observe.HostStats' doubles (free reads)
+    host_stats: bool = False           # the module stats are hoststats.HostStats' doubles (free reads)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Layout: the step's scalars (loss, scale, found_inf, grad norms, detail, tensor metrics) in the pack
 dtype, then the module stats as they stand at the step's end (the device buffer; on the CPU the host
-doubles of ``observe.HostStats``), then (steps of several
+doubles of ``hoststats.HostStats``), then (steps of several
 micro-batches only) the per-slot micro-batch marks. On CUDA the copy to the host is
 non-blocking and an event marks when the writer thread may read it; nothing here waits.
 """
@@ -50,10 +50,11 @@ def _transfer(flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any]:
     return (flat if fresh else flat.clone()), None
 
 
-def step_loss(watch: Any) -> Optional[torch.Tensor]:
+def step_loss(watch: Any, host: bool = False) -> Optional[torch.Tensor]:
     """The loss a user means (issue 13): the mean of what ``watch.log(loss=...)`` got, else the SUM of
     what ``scaler.scale()`` got over the step's micro-batches, i.e. the objective whose gradient the
-    step applies (with nanoGPT's ``loss / k`` that is the mean micro-batch loss). No sync."""
+    step applies (with nanoGPT's ``loss / k`` that is the mean micro-batch loss). No sync.
+    ``host``: it is read on the host next, so one loss need not be moved to the device first."""
     state, dev = watch.state, watch._device
     losses = state.logged_losses or state.losses
     if not losses:
@@ -63,7 +64,8 @@ def step_loss(watch: Any) -> Optional[torch.Tensor]:
         watch.writer.put_info(loss_definition="logged-mean")
     if len(losses) == 1:
         loss = losses[0]
-        return (loss if loss.numel() == 1 else loss.float().mean()).to(dev)
+        loss = loss if loss.numel() == 1 else loss.float().mean()
+        return loss if host else loss.to(dev)
     stacked = torch.stack([l.float().mean().to(dev) for l in losses])
     return stacked.mean() if state.logged_losses else stacked.sum()
 
@@ -72,9 +74,10 @@ def _scalar_segments(watch: Any, scale: Optional[torch.Tensor], found: Optional[
                      host_metrics: dict) -> list[tuple[str, torch.Tensor]]:
     state = watch.state
     segments: list[tuple[str, torch.Tensor]] = []
-    loss = step_loss(watch)
-    if loss is not None:
-        segments.append(("loss", loss.reshape(1)))
+    host = watch._reads_free
+    loss = step_loss(watch, host)
+    if loss is not None:  # where reads are free a float: each op saved is ~15 us of a CPU step
+        segments.append(("loss", loss.item() if host else loss.reshape(1)))
     if scale is not None:  # a device tensor, or where reads are free a float
         segments.append(("scale", scale.reshape(1) if isinstance(scale, torch.Tensor) else scale))
     if found is not None and watch._fused:
@@ -123,7 +126,7 @@ def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.T
         n = t.numel() if isinstance(t, torch.Tensor) else len(t) if isinstance(t, list) else 1
         layout[key] = (offset, n)
         offset += n
-    scalar_bytes = offset * torch.empty((), dtype=dt).element_size()
+    scalar_bytes = offset * dt.itemsize
     observer, loc = watch.observer, None
     flat = ready = None
     if watch._reads_free:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import logging
 import sys
 import time
@@ -85,6 +86,8 @@ class Watch:
         self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
         self._trigger: Optional[BackwardEnd] = None
+        self._probes: list[Any] = []         # the autocast probes' handles (step 0 only, in eager)
+        self._probe_objects: list[_AutocastProbe] = []
         self._params, names = parameter_table(model, self.optimizer)
         self._param_numel = {i: probes.local(p).numel() for i, p in enumerate(self._params)}  # this rank's
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
@@ -154,9 +157,11 @@ class Watch:
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
         # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
-        # the children look too. They stay until close (a no-op after the first step): removing a hook
-        # would make torch.compile recompile the model
-        self._handles.extend(m.register_forward_pre_hook(_AutocastProbe(self)) for m in (model, *model.children()))
+        # the children look too. They are a no-op after the first step: removed then, unless Dynamo
+        # traced them (removing a hook would make torch.compile recompile the model)
+        probes_ = [_AutocastProbe(self) for _ in range(1 + len(list(model.children())))]
+        self._probes = [m.register_forward_pre_hook(probe) for m, probe in zip((model, *model.children()), probes_)]
+        self._probe_objects = probes_
         self._trigger = BackwardEnd(model, self._params, self.guarded(self._on_backward),
                                     self.guarded(self._on_backward_end))
         if self._scaler_hooks is not None:
@@ -237,6 +242,18 @@ class Watch:
         self.grads.reset()
         self.grads.measure(self._detail_step(), inv_scale)
         self.grads.at_backward = True
+        if self.observer is not None and self._reads_free:
+            self.observer.backward_done(self._detail_step() or self.grads.known_bad() or self._loss_bad())
+
+    def _loss_bad(self) -> bool:
+        """Where reads are free: whether this micro-batch's loss (as scaled or logged) is non-finite."""
+        losses = self.state.logged_losses or self.state.losses
+        if not losses:
+            return False
+        loss = losses[-1]
+        if loss.numel() == 1:
+            return not math.isfinite(loss.item())
+        return not bool(torch.isfinite(loss).all())
 
     # -- scaler moments (called by ScalerHooks) ---------------------------------------------------------
     def on_scale(self, outputs: torch.Tensor) -> None:
@@ -308,8 +325,17 @@ class Watch:
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
         self.step += 1
+        if self._probes and all(probe.eager_calls for probe in self._probe_objects):
+            # every probe ran in eager, none was compiled into a graph (removing it would make
+            # torch.compile recompile): a pre-hook per child costs a few us a forward for nothing
+            self._remove_probes()
         self.grads.reset()
         self.state = StepState(now, previous=self.state)
+
+    def _remove_probes(self) -> None:
+        for handle in self._probes:
+            handle.remove()
+        self._probes = []
 
     # -- public API -----------------------------------------------------------------------------------
     def log(self, **scalars: Any) -> None:
@@ -337,6 +363,8 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._remove_probes()
+        self._probe_objects = []
         clipwatch.stop(self)
         if self._trigger is not None:
             self._trigger.remove()
@@ -365,14 +393,17 @@ class Watch:
 
 class _AutocastProbe:
     """Forward pre-hook of the first step: which autocast dtype is on. Holds the watch weakly and
-    reads no module state, so Dynamo traces it as a no-op when the model is compiled."""
+    reads no module state, so Dynamo traces it as a no-op when the model is compiled. In eager
+    (every probe counted a call of its own) the watch removes them after the first step."""
 
     def __init__(self, watch: Watch) -> None:
         self._watch = weakref.ref(watch)
+        self.eager_calls = 0  # none: it runs in a compiled graph (or its module did not run)
 
     def __call__(self, module: Any, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
+        self.eager_calls += 1
         watch = self._watch()
         if watch is not None and not watch._amp_seen and not watch.step:
             watch.guarded(watch.on_autocast)()

@@ -1,0 +1,90 @@
+"""Issue 9, CPU path: module values are reduced only on steps that need them.
+
+Where reads are free, a step's queued module tensors are reduced when its backward ends, and only
+when the loss or a gradient is non-finite, on ``layer_every`` steps, or while the observer learns
+the model's structure. The ground truths here are the dispatched ``aminmax`` ops (counted with a
+real TorchDispatchMode) and a module that writes -inf where a ReLU masks it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampwatch
+from ampwatch.record.watch import _AutocastProbe
+from loops import amp_step, data, mlp
+
+
+class CountReductions(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.aminmax:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_healthy_steps_between_layer_every_steps_reduce_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    model, (x, y) = mlp(), data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    per_step = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=4) as watch:
+        for _ in range(9):
+            with CountReductions() as counter:
+                amp_step(model, opt, scaler, x, y)
+            per_step.append(counter.count)
+    run = ampwatch.load(watch.path)
+    assert not run.steps["skipped"].any() and run.events.empty
+    # module values: the input, 5 module outputs and 5 output gradients; per-parameter detail: 6
+    assert per_step[0] == per_step[4] == per_step[8] == 11 + 6
+    assert [per_step[i] for i in (1, 2, 3, 5, 6, 7)] == [0] * 6
+    assert sorted(set(run.modules["step"])) == [0, 4, 8]  # module rows on layer_every steps, as before
+
+
+class WriteMinusInf(nn.Module):
+    """A forward value that overflows to -inf and never reaches the loss or a gradient: the ReLU
+    after it turns -inf into 0 and passes no gradient back through that element."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        out[0, 0] = -float("inf")
+        return out
+
+
+def test_a_masked_nonfinite_value_is_seen_on_layer_every_steps_on_the_cpu_path(tmp_path, record_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), WriteMinusInf(), nn.ReLU(), nn.Linear(32, 4))
+    x, y = data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=4) as watch:
+        for _ in range(9):
+            amp_step(model, opt, scaler, x, y)
+    run = ampwatch.load(watch.path)
+    assert not run.steps["skipped"].any()  # the loss and every gradient stayed finite
+    origin = run.events[run.events.origin]
+    assert set(origin["module"]) == {"1"} and set(origin["phase"]) == {"forward"}
+    # the accelerator path reduces every step; the CPU path only where the values are needed
+    expected = set(range(9)) if record_path == "accelerator" else {0, 4, 8}
+    assert set(origin["step"]) == expected
+
+
+def test_autocast_probes_leave_an_eager_model_after_the_first_step(tmp_path):
+    model, (x, y) = mlp(), data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def probes() -> int:
+        return sum(isinstance(h, _AutocastProbe) for m in model.modules() for h in m._forward_pre_hooks.values())
+
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        assert probes() == 1 + len(list(model.children()))
+        amp_step(model, opt, scaler, x, y)
+        assert probes() == 0
+        amp_step(model, opt, scaler, x, y)
+    assert ampwatch.load(watch.path).info["amp_dtype"] == "float16"  # what they were there to see
