@@ -7,6 +7,7 @@ real TorchDispatchMode) and a module that writes -inf where a ReLU masks it.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,3 +89,40 @@ def test_autocast_probes_leave_an_eager_model_after_the_first_step(tmp_path):
         assert probes() == 0
         amp_step(model, opt, scaler, x, y)
     assert ampwatch.load(watch.path).info["amp_dtype"] == "float16"  # what they were there to see
+
+
+class FirstParameterSometimes(nn.Module):
+    """The first trainable parameter gets a gradient on some steps only (``use_gate``): on the others
+    the backward end's parameter trigger (backward.py) does not fire, so the watch must notice the
+    first miss and keep the output trigger on from then on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 16)
+        self.net = mlp()
+        self.use_gate = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.gate(x) if self.use_gate else x)
+
+
+def test_gradients_are_measured_before_clipping_when_the_first_parameter_stops_getting_one(tmp_path):
+    model, (x, y) = FirstParameterSometimes(), data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    truth = []
+    with ampwatch.attach(model, opt, path=str(tmp_path / "r.sqlite")) as watch:
+        for step in range(7):
+            model.use_gate = step in (0, 1, 3, 5)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            watch.log(loss=loss)
+            truth.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))  # clips
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    norms = ampwatch.load(watch.path).steps["grad_norm"].tolist()
+    assert min(truth) > 1e-2
+    # step 2 is the one the parameter trigger missed: its gradients are measured when the optimizer
+    # steps, after the clip; from step 3 on the output trigger is on for good, as on steps 0 and 1
+    kept = [0, 1, 3, 4, 5, 6]
+    assert [norms[i] for i in kept] == pytest.approx([truth[i] for i in kept], rel=1e-5)
+    assert norms[2] == pytest.approx(1e-3, rel=1e-3)

@@ -321,6 +321,8 @@ class Watch:
     # -- step end -----------------------------------------------------------------------------------
     def end_step(self, scale: Optional[torch.Tensor], found: Optional[torch.Tensor]) -> None:
         now = time.time()
+        if self._trigger is not None:
+            self._trigger.step_ended(bool(self.state.scale_calls or self.state.stepped))
         self.writer.put_step(pack_step(self, scale, found, now))
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
