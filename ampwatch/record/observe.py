@@ -477,8 +477,8 @@ class ModuleObserver:
             for t in _inputs(args, kwargs):
                 self._observe_traced(t, ROLES * index + IN)
             return
-        if torch.is_inference_mode_enabled():  # nothing to learn from, and no version counters
-            return
+        if not torch.is_grad_enabled() and torch.is_inference_mode_enabled():  # nothing to learn from,
+            return                                                              # and no version counters
         try:
             self._before_eager(index, args, kwargs)
         except Exception as exc:  # recording must never take training down
@@ -511,7 +511,7 @@ class ModuleObserver:
             for t in _tensor_list(output):
                 self._observe_traced(t, base + OUT)
             return
-        if torch.is_inference_mode_enabled():
+        if not torch.is_grad_enabled() and torch.is_inference_mode_enabled():  # inference mode disables grad
             return
         try:
             self._after_eager(index, args, kwargs, output)

@@ -52,23 +52,23 @@ class ScalerHooks:
     def _unscale_(self, original: Any, optimizer: Any) -> None:
         original(optimizer)
         if optimizer is self.watch.optimizer and self._live():
-            self.watch.guarded(self.watch.on_unscaled)(self.inside_step)
+            self.watch.call_guarded(self.watch.on_unscaled, self.inside_step)
 
     def _step(self, original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         ours = optimizer is self.watch.optimizer and self._live()
         if ours:
-            self.watch.guarded(self.watch.before_scaler_step)()
+            self.watch.call_guarded(self.watch.before_scaler_step)
         self.inside_step = ours
         try:
             result = original(optimizer, *args, **kwargs)
         finally:
             self.inside_step = False
         if ours:
-            self.watch.guarded(self.watch.after_scaler_step)()
+            self.watch.call_guarded(self.watch.after_scaler_step)
         return result
 
     def _update(self, original: Any, new_scale: Any = None) -> None:
-        before = self.watch.guarded(self.watch.before_update)() if self._live() else None
+        before = self.watch.call_guarded(self.watch.before_update) if self._live() else None
         original(new_scale)
         if before is not None:
-            self.watch.guarded(self.watch.end_step)(*before)
+            self.watch.call_guarded(self.watch.end_step, *before)

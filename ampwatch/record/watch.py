@@ -180,6 +180,16 @@ class Watch:
             return None
         return hook
 
+    def call_guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` as :meth:`guarded` would run it, without making a closure per call."""
+        if self._failed or self.closed:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._fail(exc)
+        return None
+
     def _fail(self, exc: BaseException) -> None:
         """Recording must never take training down: warn once, stop recording (strict: raise)."""
         if self.options.get("strict"):
@@ -207,7 +217,7 @@ class Watch:
 
     def on_clip(self, parameters: Any, max_norm: Any) -> None:
         """clipwatch: a clip call on (some of) our parameters; remember its threshold. No sync."""
-        self.guarded(self._on_clip)(parameters, max_norm)  # inside the user's clip call: never raises
+        self.call_guarded(self._on_clip, parameters, max_norm)  # inside the user's clip call: never raises
 
     def _on_clip(self, parameters: Any, max_norm: Any) -> None:
         first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
