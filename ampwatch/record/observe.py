@@ -447,18 +447,8 @@ class ModuleObserver:
                 self._failed(exc)
 
     def _on_node_grad(self, slot: int, output: int, grads: tuple) -> None:
-        # the eager path's own copy of _on_grad: a Python call less per gradient
-        if not self.active or output >= len(grads):
-            return
-        grad = grads[output]
-        if grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
-            if _compiling():  # compiled autograd traces node hooks too
-                torch.ops.ampwatch.observe(grad.detach(), self._id, slot)
-                return
-            try:
-                self._write(grad, slot)
-            except Exception as exc:
-                self._failed(exc)
+        if output < len(grads):
+            self._on_grad(slot, grads[output])
 
     # -- hooks -------------------------------------------------------------------------------------
     def _observe_inputs(self, index: int, call: int, tensors: list[torch.Tensor]) -> None:
