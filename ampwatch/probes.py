@@ -207,6 +207,17 @@ def tensor_norms(tensors: Sequence[torch.Tensor], out_device: torch.device) -> t
     return torch.stack(result)  # type: ignore[arg-type]
 
 
+def tensor_norms_read(tensors: Sequence[torch.Tensor], out_device: torch.device) -> list[float]:
+    """Where reads are free: :func:`tensor_norms` as Python floats, the same values. float32 plain
+    tensors (the usual gradients) skip the ``dtype`` argument and the stack: one op, not two, where
+    each op costs ~15 us inside a CPU training step."""
+    if tensors and all(type(t) is torch.Tensor and t.dtype is torch.float32 for t in tensors):
+        foreach_norm = getattr(torch, "_foreach_norm", None)
+        if foreach_norm is not None:
+            return [v.item() for v in foreach_norm(list(tensors), 2)]
+    return tensor_norms(tensors, out_device).tolist()
+
+
 def _foreach_norm_f32(group: list[torch.Tensor]) -> list[torch.Tensor]:
     foreach_norm = getattr(torch, "_foreach_norm", None)
     if foreach_norm is not None:

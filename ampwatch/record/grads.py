@@ -45,15 +45,16 @@ class GradMeter:
             if g is not None:
                 ids.append(i)
                 grads.append(g)
-        norms = probes.tensor_norms(grads, self.device)
         known_finite = None
         if self.reads_free:
-            norms = norms.tolist()
+            norms = probes.tensor_norms_read(grads, self.device)
             if inv_scale is not None:
                 norms = [v * inv_scale for v in norms]  # in float64
             known_finite = [math.isfinite(v) for v in norms]
-        elif inv_scale is not None:
-            norms = norms * inv_scale
+        else:
+            norms = probes.tensor_norms(grads, self.device)
+            if inv_scale is not None:
+                norms = norms * inv_scale
         self.norms, self.norm_ids = norms, ids
         if detail_step or (known_finite and not all(known_finite)):
             self.measure_detail(known_finite, inv_scale, counts=bool(known_finite))

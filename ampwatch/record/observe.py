@@ -19,8 +19,8 @@ hook, after the module ran, so a module costs one Python hook call per forward: 
 it) also get a pre-hook. Under ``torch.compile`` the hooks skip the
 Python bookkeeping and call the custom op ``ampwatch::observe`` (an ordered side effect that writes
 the stats buffer), so Dynamo traces them into the graph with no graph break; gradients are observed with
-``Tensor.register_hook``, which Dynamo also traces (eager registers a pre-hook on the tensor's
-``grad_fn`` instead: the same gradient, at half the host cost).
+``Tensor.register_hook``, which Dynamo also traces (eager fills the same hook dict without the
+public method's Python costs, :func:`_add_grad_hook`: the same gradient, at a fifth of the host cost).
 
 Where reads are free (CPU) the stats live on the host instead (:mod:`.hoststats`): a hook queues
 its tensor; at the flush one ``aminmax`` per tensor is read into an array of doubles, which the
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import OrderedDict
 from functools import partial
 from typing import Any, Iterator, Optional
 
@@ -107,6 +108,26 @@ def _tensor_list(obj: Any) -> list[torch.Tensor]:
 def _inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:
     """A call's floating inputs, positional then keyword (the positions aliases are keyed by)."""
     return _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
+
+
+def _add_grad_hook(t: torch.Tensor, node: Any, hook: Any) -> None:
+    """``t.register_hook(hook)`` for a non-leaf ``t`` of ``node``, without its Python costs (a
+    RemovableHandle, an OrderedDict created per tensor, torch-function checks: ~8 us of host time
+    per tensor inside a training step, where it runs for every module output). It fills the same
+    dict on ``t`` that ``Tensor.register_hook`` fills and registers it on ``node`` the same way, so
+    the hook sees the gradient of ``t``'s value at registration even if ``t`` is changed in place
+    later (torch then starts a new dict for the new value), and the user's own hooks on ``t`` run
+    as before. Keyed by the hook itself, never an int (the keys handles use); not removable: the
+    tensor dies with the step."""
+    hooks = t._backward_hooks
+    if hooks is None:
+        register = getattr(node, "_register_hook_dict", None)
+        if register is None:  # a node type without it: the public way
+            t.register_hook(hook)
+            return
+        hooks = t._backward_hooks = OrderedDict()
+        register(t)
+    hooks[hook] = hook
 
 
 class StatsBuffer:
@@ -196,7 +217,7 @@ class ModuleObserver:
         self._first: Optional[torch.Tensor] = None
         self.keeper: Any = None  # counterfactual.InputKeeper when fp32_check is on
         self.on_error: Any = None  # called with an internal failure (the watch warns once, stops)
-        self._grad_hooks: dict[tuple[int, int], Any] = {}  # (slot, output number) -> its node pre-hook
+        self._grad_hooks: dict[int, Any] = {}  # value slot -> the hook observing its gradient
         self._new_step()
         for index, module in enumerate(modules):
             after = partial(self._after, index)
@@ -216,33 +237,60 @@ class ModuleObserver:
         self._pre.add(index)
 
     # -- per step --------------------------------------------------------------------------------
-    def _held_elsewhere(self, index: int, role: int, call: int, pos: int, t: torch.Tensor, slot: int,
-                        may_alias: bool = True) -> bool:
-        """True when ``t`` (input or output ``pos`` of ``call`` of module ``index``, own ``slot``)
-        need not be observed: it is the very tensor, unchanged, that another slot holds. Learning
-        steps find such aliases (never to a volatile slot). Later steps check them: a model may hand
-        on a different tensor on some steps (a wrapper that returns its child's output, except when
-        it changes it); then the alias is broken for this step (left out of the analysis) and ``t``
-        is observed in its own slot. They also note the tensors of the slots aliases point to."""
-        if self._learning:
-            hit = self._seen.get(id(t))
-            if (may_alias and hit is not None and hit[0]() is t and hit[2] == t._version
-                    and hit[1] not in self._batch.volatile):
-                self.aliases[(index, role, call, pos)] = hit[1]
-                return True
-            self._seen[id(t)] = (weakref.ref(t), slot, t._version)
-            return False
-        if index in self._alias_modules:  # most modules have none: no key is built for them
-            key = (index, role, call, pos)
-            target = self.aliases.get(key)
-            if target is not None:
-                held = self._held.get(target)
-                if held is not None and held() is t:
-                    return True
-                self._broken.add(key)
-        if slot in self._targets:
-            self._held[slot] = weakref.ref(t)
+    def _learn_alias(self, index: int, role: int, call: int, pos: int, t: torch.Tensor, slot: int,
+                     may_alias: bool) -> bool:
+        """Learning steps: True when ``t`` (input or output ``pos`` of ``call`` of module ``index``,
+        own ``slot``) is the very tensor, unchanged, that another (non-volatile) slot already holds;
+        the alias is learned. Otherwise ``t`` is noted as held by ``slot``."""
+        hit = self._seen.get(id(t))
+        if (may_alias and hit is not None and hit[0]() is t and hit[2] == t._version
+                and hit[1] not in self._batch.volatile):
+            self.aliases[(index, role, call, pos)] = hit[1]
+            return True
+        self._seen[id(t)] = (weakref.ref(t), slot, t._version)
         return False
+
+    def _observe(self, index: int, role: int, call: int, pos: int, t: torch.Tensor, grad: bool,
+                 may_alias: bool = True) -> bool:
+        """Eager: observe input or output ``pos`` (``role`` IN or OUT) of ``call`` of module ``index``:
+        its value into its slot, and with ``grad`` its gradient into the matching gradient slot.
+        Nothing when another slot holds the very tensor: learning steps find such aliases; later
+        steps check them (a model may hand on a different tensor on some steps: a wrapper that
+        returns its child's output, except when it changes it; then the alias is broken for this
+        step, left out of the analysis, and ``t`` is observed in its own slot). True when known
+        (free reads) to be non-finite. One function for the whole path: each Python call costs
+        ~1 us inside a training step, and this runs for every module output."""
+        slot = ROLES * index + role
+        if self._learning:
+            if self._learn_alias(index, role, call, pos, t, slot, may_alias):
+                return False
+        else:
+            if index in self._alias_modules:  # most modules have none: no key is built for them
+                key = (index, role, call, pos)
+                target = self.aliases.get(key)
+                if target is not None:
+                    held = self._held.get(target)
+                    if held is not None and held() is t:
+                        return False
+                    self._broken.add(key)
+            if slot in self._targets:  # another slot's alias points here: note this step's tensor
+                self._held[slot] = weakref.ref(t)
+        if type(t) is torch.Tensor and slot not in self._batch.volatile:
+            self._wrote = True
+            self._batch.add(DTYPE_INDEX[t.dtype], t, slot)  # reduced with its chunk
+            bad = False
+        else:  # a DTensor (reduced on this rank's shard) or a volatile slot (reduced now)
+            bad = self._write(t, slot)
+        if grad and t.requires_grad:  # IN -> GIN, OUT -> GOUT
+            node = t.grad_fn
+            if node is None:  # a leaf
+                t.register_hook(partial(self._on_grad, slot + 2))
+            else:
+                hook = self._grad_hooks.get(slot)
+                if hook is None:
+                    hook = self._grad_hooks[slot] = partial(self._on_eager_grad, slot + 2)
+                _add_grad_hook(t, node, hook)
+        return bad
 
     def _new_step(self) -> None:
         self._held: dict[int, Any] = {}  # alias target slot -> weak reference to its tensor this step
@@ -420,21 +468,6 @@ class ModuleObserver:
             return False
         return self._count(t, slot)
 
-    def _watch_grad(self, t: torch.Tensor, slot: int) -> None:
-        """Eager: observe the gradient of ``t`` into ``slot`` when backward reaches it."""
-        if not (t.requires_grad and torch.is_grad_enabled()):
-            return
-        node = t.grad_fn
-        if node is None:  # a leaf
-            t.register_hook(partial(self._on_grad, slot))
-            return
-        # a pre-hook on its node: the gradient a tensor hook would see, at half the host cost
-        output = t.output_nr
-        hook = self._grad_hooks.get((slot, output))
-        if hook is None:
-            hook = self._grad_hooks[(slot, output)] = partial(self._on_node_grad, slot, output)
-        node.register_prehook(hook)
-
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
         # runs inside the user's backward(): must never raise or return a tensor
         if self.active and grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
@@ -446,19 +479,15 @@ class ModuleObserver:
             except Exception as exc:
                 self._failed(exc)
 
-    def _on_node_grad(self, slot: int, output: int, grads: tuple) -> None:
-        if output < len(grads):
-            self._on_grad(slot, grads[output])
+    def _on_eager_grad(self, slot: int, grad: torch.Tensor) -> None:
+        # eager only (compiled code observes gradients through _on_grad): never raises
+        if self.active and grad is not None and grad.numel() > 0 and grad.dtype in DTYPE_INDEX:
+            try:
+                self._write(grad, slot)
+            except Exception as exc:
+                self._failed(exc)
 
     # -- hooks -------------------------------------------------------------------------------------
-    def _observe_inputs(self, index: int, call: int, tensors: list[torch.Tensor]) -> None:
-        base = ROLES * index
-        for pos, t in enumerate(tensors):
-            if self._held_elsewhere(index, IN, call, pos, t, base + IN):
-                continue
-            self._write(t, base + IN)
-            self._watch_grad(t, base + GIN)
-
     def _before(self, index: int, module: Any, args: Any, kwargs: Any) -> None:
         """The root (micro-batches) and modules that work in place: their inputs before they change."""
         if not (self.active and module.training):
@@ -486,11 +515,16 @@ class ModuleObserver:
         inplace = index in self._inplace
         if inplace:
             self._batch.flush()  # pending tensors may be the one it is about to overwrite
-        self._observe_inputs(index, call, tensors)
+        grad = torch.is_grad_enabled()
+        for pos, t in enumerate(tensors):
+            self._observe(index, IN, call, pos, t, grad)
         if inplace:
             self._batch.flush()  # and its own input is measured before it changes
 
     def _after(self, index: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        """Every module's forward hook: its inputs (unless a pre-hook saw them) and its outputs.
+        Eager, one Python frame per module call plus one per observed tensor: this runs for every
+        module of every step, where each call costs ~1 us of host time inside a training step."""
         if not (self.active and module.training):
             return
         if _compiling():
@@ -501,42 +535,37 @@ class ModuleObserver:
             for t in _tensor_list(output):
                 self._observe_traced(t, base + OUT)
             return
-        if not torch.is_grad_enabled() and torch.is_inference_mode_enabled():  # inference mode disables grad
+        grad = torch.is_grad_enabled()
+        if not grad and torch.is_inference_mode_enabled():  # inference mode disables grad
             return
         try:
-            self._after_eager(index, args, kwargs, output)
-        except Exception as exc:
+            outputs = _tensor_list(output)
+            self._calls += 1
+            learning = self._learning
+            tensors = None
+            if index in self._pre:
+                call = self._call_of.get(index, 0)
+            else:
+                call = self._call_of[index] = self._call_of.get(index, -1) + 1
+                tensors = _inputs(args, kwargs)
+                if self.keeper is not None:
+                    self.keeper.keep(index, args, kwargs, tensors)
+                for pos, t in enumerate(tensors):
+                    self._observe(index, IN, call, pos, t, grad)
+            if learning and index not in self._inplace:
+                ins = tensors if tensors is not None else _inputs(args, kwargs)
+                if any(o is a for o in outputs for a in ins):  # it works in place: measure inputs before it
+                    self._inplace.add(index)
+                    if index not in self._pre:
+                        self._add_pre_hook(index)
+            bad = False
+            may_alias = index not in self._inplace  # an in-place module's output is not its input's value
+            for pos, t in enumerate(outputs):
+                bad = self._observe(index, OUT, call, pos, t, grad, may_alias) or bad
+            if bad and self.keeper is not None:  # free reads, reduced at once: this call's output is non-finite
+                self.keeper.settle(index)
+            if learning:
+                self._finish.append(index)
+        except Exception as exc:  # recording must never take training down
             self._failed(exc)
-
-    def _after_eager(self, index: int, args: Any, kwargs: Any, output: Any) -> None:
-        base = ROLES * index
-        outputs = _tensor_list(output)
-        self._calls += 1
-        learning = self._learning
-        tensors = None
-        if index in self._pre:
-            call = self._call_of.get(index, 0)
-        else:
-            call = self._call_of[index] = self._call_of.get(index, -1) + 1
-            tensors = _inputs(args, kwargs)
-            if self.keeper is not None:
-                self.keeper.keep(index, args, kwargs, tensors)
-            self._observe_inputs(index, call, tensors)
-        if learning and index not in self._inplace:
-            ins = tensors if tensors is not None else _inputs(args, kwargs)
-            if any(o is a for o in outputs for a in ins):  # it works in place: measure inputs before it
-                self._inplace.add(index)
-                if index not in self._pre:
-                    self._add_pre_hook(index)
-        bad = False
-        may_alias = index not in self._inplace  # an in-place module's output is not its input's value
-        for pos, t in enumerate(outputs):
-            if self._held_elsewhere(index, OUT, call, pos, t, base + OUT, may_alias):
-                continue
-            bad = self._write(t, base + OUT) or bad
-            self._watch_grad(t, base + GOUT)
-        if bad and self.keeper is not None:  # free reads, reduced at once: this call's output is non-finite
-            self.keeper.settle(index)
-        if learning:
-            self._finish.append(index)
 
