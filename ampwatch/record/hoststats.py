@@ -37,8 +37,10 @@ class HostStats:
         self._empty = array("d", EMPTY * (dtypes * slots))
         self.values = array("d", self._empty)
         self.tensor = torch.frombuffer(self.values, dtype=torch.float64)
+        self.touched = False  # a value was folded in since the last reset (else every slot is empty)
 
     def fold(self, d: int, slot: int, lo: float, hi: float) -> None:
+        self.touched = True
         values, i = self.values, 2 * (d * self.slots + slot)
         if lo != lo or lo < values[i]:  # a NaN already there stays (NaN < x is false)
             values[i] = lo
@@ -54,6 +56,7 @@ class HostStats:
 
     def reset(self) -> None:
         self.values[:] = self._empty  # a memcpy, no op
+        self.touched = False
 
 
 class HostQueue:
@@ -85,6 +88,7 @@ class HostQueue:
         if not pending:
             return
         self._pending, self._bytes = [], 0
+        self._stats.touched = True
         values, aminmax = self._stats.values, torch.aminmax
         with torch.no_grad():
             for t, slot, i, version in pending:

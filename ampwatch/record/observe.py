@@ -321,7 +321,9 @@ class ModuleObserver:
         changed = self._batch.changed
         aliases = self.aliases if not self._broken else {k: v for k, v in self.aliases.items() if k not in self._broken}
         step = {"aliases": aliases, "order": self.order, "counts": self.counts, "changed": frozenset(changed),
-                "observed": bool(self._calls) or self._wrote,
+                # where reads are free, a step whose queue was dropped unreduced has empty stats: the
+                # writer skips decoding them (most CPU steps)
+                "observed": (bool(self._calls) or self._wrote) and (self._host is None or self._host.touched),
                 "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax}
         if self.keeper is not None:
             self.keeper.clear()  # the step's kept inputs are released here

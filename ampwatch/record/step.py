@@ -109,9 +109,10 @@ def _host_flat(segments: list, observer: Any) -> tuple[Optional[torch.Tensor], O
     if observer is not None:
         marks = [t.cpu().numpy().tobytes() for t in observer.first_bytes()]
         loc = observer.take()  # flushes what is pending into the host stats
-        buf += observer.stats_host_bytes()
-        for mark in marks:
-            buf += mark
+        if loc["observed"]:  # else the stats are empty and nothing reads them (packing._Analysis)
+            buf += observer.stats_host_bytes()
+            for mark in marks:
+                buf += mark
     return (torch.frombuffer(buf, dtype=torch.uint8) if buf else None), loc
 
 
