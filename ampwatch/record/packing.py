@@ -37,6 +37,7 @@ class StepPack:
     pack_dtype: torch.dtype = torch.float64
     exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
     host_stats: bool = False           # the module stats are hoststats.HostStats' doubles (free reads)
+    scalars: Optional[list[float]] = None  # free reads: the scalars as read (then flat holds only the stats)
 
 
 @dataclass
@@ -89,7 +90,9 @@ class PackReader:
         if pack.ready is not None:
             pack.ready.synchronize()  # waits in the writer thread, never in training
         values: list[float] = []
-        if pack.flat is not None:
+        if pack.scalars is not None:
+            values = pack.scalars
+        elif pack.flat is not None:
             values = pack.flat[:pack.scalar_bytes].view(pack.pack_dtype).tolist()
 
         def seg(name: str) -> list[float]:
@@ -217,7 +220,7 @@ class _Analysis:
             return self._result
         if self._values is None:
             slots = observe.ROLES * len(reader.module_names)
-            raw = pack.flat[pack.scalar_bytes:]
+            raw = pack.flat if pack.scalars is not None else pack.flat[pack.scalar_bytes:]
             size = observe.stats_bytes(slots, pack.host_stats)
             first = raw[size:].view(torch.float32).tolist() if loc.get("first") else None
             self._values = origins.slot_values(observe.decode(raw, slots, pack.host_stats), loc["counts"], pack.exact_counts,
