@@ -84,8 +84,9 @@ class InputKeeper:
 
     def keep(self, index: int, args: Any, kwargs: Any, tensors: list) -> None:
         """Called by the observer's pre-hook with the call's floating tensors (already listed)."""
-        if index not in self._pinned:  # a list comprehension: half the cost of tuple(generator)
-            self._inputs[index] = (args, kwargs, [t._version for t in tensors], tensors)
+        if index not in self._pinned:  # one input (most modules): no comprehension frame
+            versions = [tensors[0]._version] if len(tensors) == 1 else [t._version for t in tensors]
+            self._inputs[index] = (args, kwargs, versions, tensors)
 
     def settle(self, index: int) -> None:
         """Module ``index``'s call just made a non-finite output (host path: reads are free)."""

@@ -33,6 +33,7 @@ class GradMeter:
         self.detail: Optional[Union[torch.Tensor, list[float]]] = None
         self.detail_ids: list[int] = []
         self.at_backward = False  # measured when backward ended (before any clipping)
+        self._bad = False  # where reads are free: a measured norm is non-finite
 
     def measure(self, detail_step: bool, inv_scale: Optional[Union[torch.Tensor, float]] = None) -> None:
         """Per-parameter grad norms (one foreach call), and detail on detail steps. No sync, except
@@ -51,18 +52,19 @@ class GradMeter:
             if inv_scale is not None:
                 norms = [v * inv_scale for v in norms]  # in float64
             known_finite = [math.isfinite(v) for v in norms]
+            self._bad = not all(known_finite)
         else:
             norms = probes.tensor_norms(grads, self.device)
             if inv_scale is not None:
                 norms = norms * inv_scale
         self.norms, self.norm_ids = norms, ids
-        if detail_step or (known_finite and not all(known_finite)):
+        if detail_step or self._bad:
             self.measure_detail(known_finite, inv_scale, counts=bool(known_finite))
 
     def known_bad(self) -> bool:
         """Where reads are free: a measured gradient norm is non-finite (the gradient holds NaN/inf,
         or its float32 norm overflowed). False where the norms stay on the device (unknown)."""
-        return isinstance(self.norms, list) and not all(map(math.isfinite, self.norms))
+        return self._bad
 
     def measure_detail(self, known_finite: Optional[list] = None,
                        inv_scale: Optional[Union[torch.Tensor, float]] = None,

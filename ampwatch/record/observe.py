@@ -88,8 +88,8 @@ except (ImportError, AttributeError):  # older torch: under compile the op may b
     pass
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+# Bound once (a Python frame less per hook call); Dynamo knows the function and folds it to True.
+_compiling = torch.compiler.is_compiling
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

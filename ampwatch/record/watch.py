@@ -249,11 +249,12 @@ class Watch:
         inv_scale = probes.inverse_scale(self.scaler, self._reads_free) if scaling else None
         if scaling and inv_scale is None:
             return
+        detail = self._detail_step()
         self.grads.reset()
-        self.grads.measure(self._detail_step(), inv_scale)
+        self.grads.measure(detail, inv_scale)
         self.grads.at_backward = True
         if self.observer is not None and self._reads_free:
-            self.observer.backward_done(self._detail_step() or self.grads.known_bad() or self._loss_bad())
+            self.observer.backward_done(detail or self.grads.known_bad() or self._loss_bad())
 
     def _loss_bad(self) -> bool:
         """Where reads are free: whether this micro-batch's loss (as scaled or logged) is non-finite."""
