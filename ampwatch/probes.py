@@ -114,10 +114,12 @@ def steps_inside_kernel(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def backward_pass_id() -> int:
     """An id of the backward pass now running (-1 outside one), to act once per pass."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return int(current()) if current is not None else -1
+    return _current_graph_task_id() if _current_graph_task_id is not None else -1
 
 
 def at_backward_end(callback: Any) -> None:

@@ -55,8 +55,9 @@ class HostStats:
         return [self.tensor.view(torch.uint8)]
 
     def reset(self) -> None:
-        self.values[:] = self._empty  # a memcpy, no op
-        self.touched = False
+        if self.touched:  # most CPU steps reduce nothing (observe.backward_done): nothing to reset
+            self.values[:] = self._empty  # a memcpy, no op
+            self.touched = False
 
 
 class HostQueue:
