@@ -482,12 +482,21 @@ class ModuleObserver:
                 self._failed(exc)
 
     def _on_eager_grad(self, slot: int, grad: torch.Tensor) -> None:
-        # eager only (compiled code observes gradients through _on_grad): never raises
-        if self.active and grad is not None and grad.numel() > 0 and grad.dtype in DTYPE_INDEX:
-            try:
+        # eager only (compiled code observes gradients through _on_grad): never raises. A plain
+        # gradient is queued right here (one frame: this runs for every observed gradient)
+        if not self.active or grad is None:
+            return
+        try:
+            d = DTYPE_INDEX.get(grad.dtype)
+            if d is None or grad.numel() == 0:
+                return
+            if type(grad) is torch.Tensor and slot not in self._batch.volatile:
+                self._wrote = True
+                self._batch.add(d, grad, slot)
+            else:
                 self._write(grad, slot)
-            except Exception as exc:
-                self._failed(exc)
+        except Exception as exc:
+            self._failed(exc)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _before(self, index: int, module: Any, args: Any, kwargs: Any) -> None:
