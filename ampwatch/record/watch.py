@@ -94,6 +94,7 @@ class Watch:
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._pack_dtype = probes.pack_dtype(self._device)
         self._reads_free = probes.reads_are_free(self._device)  # fixed for the run: asked once
+        self._scale_reads = probes.ScaleReads()  # the scale as a float, read again only when it changed
         self._fused = probes.steps_inside_kernel(self.optimizer)
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
@@ -246,7 +247,7 @@ class Watch:
         scaling = self.scaler is not None and probes.scaler_enabled(self.scaler)
         if scaling and probes.optimizer_stage_unscaled(self.scaler, self.optimizer):
             return  # backward after unscale_ (unusual): leave it to the step-time measurement
-        inv_scale = probes.inverse_scale(self.scaler, self._reads_free) if scaling else None
+        inv_scale = probes.inverse_scale(self.scaler, self._reads_free, self._scale_reads) if scaling else None
         if scaling and inv_scale is None:
             return
         detail = self._detail_step()
@@ -290,7 +291,7 @@ class Watch:
         if (self._fused and probes.scaler_enabled(self.scaler)
                 and not probes.optimizer_stage_unscaled(self.scaler, self.optimizer)):
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
-            inv_scale = probes.inverse_scale(self.scaler, self._reads_free)
+            inv_scale = probes.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
             if inv_scale is not None:
                 self.grads.measure(self._detail_step(), inv_scale=inv_scale)
 
@@ -316,7 +317,7 @@ class Watch:
         # optimizers the inf flags: device tensors, no sync
         found = probes.found_inf(self.scaler, self.optimizer) if self._fused else None
         if self._reads_free:  # read now: a float needs no copy to survive update()
-            return probes.scale_value(self.scaler), found
+            return self._scale_reads.value(self.scaler), found
         return probes.scale_snapshot(self.scaler, self._pack_dtype), found
 
     # -- optimizer hooks --------------------------------------------------------------------------
