@@ -47,6 +47,33 @@ def test_healthy_steps_between_layer_every_steps_reduce_nothing(tmp_path, monkey
     assert sorted(set(run.modules["step"])) == [0, 4, 8]  # module rows on layer_every steps, as before
 
 
+def test_a_deep_model_reduces_nothing_between_layer_every_steps(tmp_path, monkeypatch):
+    """~80 observed tensors a step (40 modules, outputs and their gradients): more than the
+    accelerator path's 64-tensor chunk, which the host queue once used as its bound too, making
+    every step of any model beyond ~30 modules reduce everything."""
+    monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(20):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(16, 4))
+    x, y = data()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    per_step = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=4) as watch:
+        for _ in range(6):
+            with CountReductions() as counter:
+                amp_step(model, opt, scaler, x, y)
+            per_step.append(counter.count)
+    run = ampwatch.load(watch.path)
+    assert not run.steps["skipped"].any() and run.events.empty
+    # the input, 41 module outputs and their 41 gradients, and per-parameter detail for 42 tensors
+    assert per_step[0] == per_step[4] == 1 + 41 + 41 + 42
+    assert [per_step[i] for i in (1, 2, 3, 5)] == [0] * 4
+    assert sorted(set(run.modules["step"])) == [0, 4]
+
+
 class WriteMinusInf(nn.Module):
     """A forward value that overflows to -inf and never reaches the loss or a gradient: the ReLU
     after it turns -inf into 0 and passes no gradient back through that element."""
