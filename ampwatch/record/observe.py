@@ -118,7 +118,11 @@ def _add_grad_hook(t: torch.Tensor, node: Any, hook: Any) -> None:
     the hook sees the gradient of ``t``'s value at registration even if ``t`` is changed in place
     later (torch then starts a new dict for the new value), and the user's own hooks on ``t`` run
     as before. Keyed by the hook itself, never an int (the keys handles use); not removable: the
-    tensor dies with the step."""
+    tensor dies with the step. A tensor subclass (DTensor) goes the public way: it may dispatch
+    ``register_hook`` through ``__torch_function__``."""
+    if type(t) is not torch.Tensor:
+        t.register_hook(hook)
+        return
     hooks = t._backward_hooks
     if hooks is None:
         register = getattr(node, "_register_hook_dict", None)
