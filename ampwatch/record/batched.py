@@ -19,9 +19,9 @@ that made it) and *volatile*: reduced at once from then on, and never again read
 in its place (the observer re-learns its aliases).
 
 Where reads are free (CPU) :class:`.hoststats.HostQueue` plays this part: it defers one ``aminmax``
-per tensor to a flush at the end of each forward and of each step (run back to back, an op costs
-about half its host time in the middle of a training step: a cold dispatcher), bounded to
-``HOST_CHUNK_BYTES``, as it holds gradients past their life.
+per tensor to the end of a backward pass, and runs them only when the step needs them (see
+:meth:`.observe.ModuleObserver.backward_done`), bounded by ``HOST_CHUNK_BYTES`` (it holds gradients
+past their life) rather than by ``CHUNK``.
 """
 from __future__ import annotations
 
