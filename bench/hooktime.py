@@ -67,25 +67,15 @@ def instrument(spent: dict[str, float]) -> None:
             setattr(cls, name, timed)
 
 
-def workload(name: str) -> tuple[torch.nn.Module, Callable[[], Any], torch.optim.Optimizer, Any]:
-    """(model, forward returning the loss, optimizer, scaler)."""
+def trainer(name: str) -> Any:
+    """overhead.py's Trainer (the README loop: AdamW, GradScaler, unscale_, clip) on ``name``."""
+    from overhead import Trainer, make_workload
     if name == "gpt2-tree":
         from hostcost import model_and_batch
         model, x = model_and_batch()
-
-        def forward() -> torch.Tensor:
-            with torch.autocast("cpu", dtype=torch.float16):
-                logits = model(x).logits
-            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
-    else:
-        from overhead import make_workload
-        model, x, loss_fn = make_workload(name)
-
-        def forward() -> torch.Tensor:
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(x)
-            return loss_fn(out)
-    return model, forward, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.amp.GradScaler("cpu")
+        return Trainer(model, x, lambda out: F.cross_entropy(out.logits.float().view(-1, out.logits.size(-1)),
+                                                             x.view(-1)))
+    return Trainer(*make_workload(name))
 
 
 def main() -> None:
@@ -101,27 +91,17 @@ def main() -> None:
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     spent: dict[str, float] = collections.defaultdict(float)
     instrument(spent)
-    model, forward, opt, scaler = workload(args.workload)
-
-    def step() -> float:
-        start = time.perf_counter()
-        scaler.scale(forward()).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+    run = trainer(args.workload)
 
     per_step: dict[str, list[float]] = collections.defaultdict(list)
     totals = []
-    with ampwatch.attach(model, opt, scaler, path=f"{tempfile.mkdtemp()}/run.sqlite",
+    with ampwatch.attach(run.model, run.opt, run.scaler, path=f"{tempfile.mkdtemp()}/run.sqlite",
                          localize=args.localize == "on", layer_every=args.layer_every):
         for _ in range(5):  # the learning step and the first steady ones
-            step()
+            run.step()
         for _ in range(args.steps):
             spent.clear()
-            totals.append(step())
+            totals.append(run.step())
             for name in {n for _, names in ENTRY_POINTS for n in names}:
                 per_step[name].append(spent.get(name, 0.0))
     print(f"\n## {args.workload}, {args.path} path, localize {args.localize}, torch {torch.__version__}, "

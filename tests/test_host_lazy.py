@@ -28,19 +28,25 @@ class CountReductions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_healthy_steps_between_layer_every_steps_reduce_nothing(tmp_path, monkeypatch):
-    monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
-    model, (x, y) = mlp(), data()
+def reductions_per_step(model: nn.Module, steps: int, path) -> tuple[list[int], "ampwatch.Run"]:
+    """Trains ``steps`` healthy CPU-path steps at ``layer_every=4``; the ``aminmax`` ops of each."""
+    x, y = data()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     per_step = []
-    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=4) as watch:
-        for _ in range(9):
+    with ampwatch.attach(model, opt, scaler, path=str(path), layer_every=4) as watch:
+        for _ in range(steps):
             with CountReductions() as counter:
                 amp_step(model, opt, scaler, x, y)
             per_step.append(counter.count)
     run = ampwatch.load(watch.path)
     assert not run.steps["skipped"].any() and run.events.empty
+    return per_step, run
+
+
+def test_healthy_steps_between_layer_every_steps_reduce_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    per_step, run = reductions_per_step(mlp(), 9, tmp_path / "r.sqlite")
     # module values: the input, 5 module outputs and 5 output gradients; per-parameter detail: 6
     assert per_step[0] == per_step[4] == per_step[8] == 11 + 6
     assert [per_step[i] for i in (1, 2, 3, 5, 6, 7)] == [0] * 6
@@ -56,18 +62,7 @@ def test_a_deep_model_reduces_nothing_between_layer_every_steps(tmp_path, monkey
     layers = []
     for _ in range(20):
         layers += [nn.Linear(16, 16), nn.Tanh()]
-    model = nn.Sequential(*layers, nn.Linear(16, 4))
-    x, y = data()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    per_step = []
-    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=4) as watch:
-        for _ in range(6):
-            with CountReductions() as counter:
-                amp_step(model, opt, scaler, x, y)
-            per_step.append(counter.count)
-    run = ampwatch.load(watch.path)
-    assert not run.steps["skipped"].any() and run.events.empty
+    per_step, run = reductions_per_step(nn.Sequential(*layers, nn.Linear(16, 4)), 6, tmp_path / "r.sqlite")
     # the input, 41 module outputs and their 41 gradients, and per-parameter detail for 42 tensors
     assert per_step[0] == per_step[4] == 1 + 41 + 41 + 42
     assert [per_step[i] for i in (1, 2, 3, 5)] == [0] * 4
