@@ -8,13 +8,11 @@ non-blocking and an event marks when the writer thread may read it; nothing here
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from .. import probes
 from . import grads
 from .packing import StepPack
 
