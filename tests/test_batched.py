@@ -90,3 +90,32 @@ def test_maxima_in_another_dtype_are_cast_to_the_slot_dtype():
     assert v.dtype == torch.float16
     assert v[0].tolist() == [-math.inf, math.inf]  # beyond fp16's range: an overflow, as on the device
     assert v[2].tolist() == [-3.5, 3.5]
+
+
+@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("value", [None, 1.5, -70000.0, math.inf, -math.inf, math.nan])
+def test_all_finite_agrees_with_the_decoded_slots(host, value):
+    """The writer's shortcut on healthy steps (observe.all_finite over the raw bytes) says what
+    decoding every slot says (origins.any_nonfinite): unwritten slots, finite values, ±inf and NaN
+    in any one dtype's buffer, on the device layout and the host one."""
+    from ampwatch.record import origins
+    from ampwatch.record.hoststats import HostStats
+    from ampwatch.record.observe import all_finite, decode
+    slots = 12
+    for d, dt in enumerate(DTYPES):
+        if host:
+            stats = HostStats(len(DTYPES), slots)
+            stats.fold(0, 3, -1.0, 2.0)  # a finite slot in another dtype
+            if value is not None:
+                stats.fold(d, 7, value, value)
+            raw = stats.tensor.view(torch.uint8)
+        else:
+            buffer = StatsBuffer(slots, torch.device("cpu"))
+            buffer.views[0][3] = torch.tensor([-1.0, 2.0])
+            if value is not None:
+                buffer.views[d][7] = torch.tensor([value, value]).to(dt)  # -70000 overflows fp16 to -inf
+            raw = torch.cat(buffer.as_bytes())
+        truth = not origins.any_nonfinite(origins.slot_values(decode(raw, slots, host), {}, False))
+        assert all_finite(raw, slots, host) is truth
+        expected = value is None or math.isfinite(float(torch.tensor(value).to(torch.float64 if host else dt)))
+        assert truth is expected

@@ -161,19 +161,38 @@ def stats_bytes(slots: int, host: bool = False) -> int:
     buffer (:class:`StatsBuffer`) or, ``host``, the doubles of :class:`.hoststats.HostStats`."""
     if host:
         return len(DTYPES) * slots * 2 * 8
-    return sum(slots * 2 * torch.empty((), dtype=dt).element_size() for dt in DTYPES)
+    return sum(slots * 2 * dt.itemsize for dt in DTYPES)
 
 
 def decode(raw: torch.Tensor, slots: int, host: bool = False) -> list[list[tuple[float, float]]]:
     """Host side: per dtype, per slot (min, max) from a CPU copy of the stats' bytes."""
     out, start = [], 0
     for dt in DTYPES:
-        size = slots * 2 * (8 if host else torch.empty((), dtype=dt).element_size())
+        size = slots * 2 * (8 if host else dt.itemsize)
         chunk = raw[start:start + size].view(torch.float64 if host else dt)
         values = (chunk if host else chunk.float()).view(slots, 2).tolist()
         out.append([tuple(v) for v in values])  # type: ignore[misc]
         start += size
     return out
+
+
+def all_finite(raw: torch.Tensor, slots: int, host: bool = False) -> bool:
+    """Host side: True when no written slot in the stats' bytes holds NaN or ±inf, without decoding
+    them (two reductions per dtype instead of a Python tuple per slot: the writer asks this on
+    every healthy step, and its Python holds the GIL beside a host-bound training thread). An
+    unwritten slot (min +inf, max -inf) is finite; NaN fails both comparisons."""
+    start = 0
+    for dt in DTYPES:
+        dt = torch.float64 if host else dt
+        size = slots * 2 * dt.itemsize
+        rows = raw[start:start + size].view(dt).view(slots, 2)
+        if not bool((rows * _SIGN[dt]).max() < math.inf):  # max of (-min, max): NaN propagates
+            return False
+        start += size
+    return True
+
+
+_SIGN = {dt: torch.tensor([-1.0, 1.0], dtype=dt) for dt in DTYPES}
 
 
 class ModuleObserver:

@@ -222,6 +222,8 @@ class _Analysis:
             slots = observe.ROLES * len(reader.module_names)
             raw = pack.flat if pack.scalars is not None else pack.flat[pack.scalar_bytes:]
             size = observe.stats_bytes(slots, pack.host_stats)
+            if not force and pack.step % reader.layer_every and observe.all_finite(raw[:size], slots, pack.host_stats):
+                return None  # a healthy step that writes no module rows: nothing to decode
             first = raw[size:].view(torch.float32).tolist() if loc.get("first") else None
             self._values = origins.slot_values(observe.decode(raw, slots, pack.host_stats), loc["counts"], pack.exact_counts,
                                                first, loc.get("micro_batches", 1))
