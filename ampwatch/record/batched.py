@@ -60,6 +60,16 @@ class BatchedReducer:
         if self._count >= CHUNK or self._bytes >= CHUNK_BYTES:
             self.flush()
 
+    def reduce_now(self, d: int, tensors: list[torch.Tensor], slots: list[int]) -> None:
+        """Reduce ``tensors`` (all of dtype index ``d``) at once, with the op a chunk uses (one
+        launch; folded with the step's other maxima). For tensors that may not wait: inside a
+        compiled graph the compiler may reuse their memory as soon as the op that saw them
+        returns, and a volatile slot's tensor is changed in place after it is observed. One
+        launch where an ``aminmax`` per tensor, folded into its row by ``minimum`` and
+        ``maximum``, took three each."""
+        self._values[d].extend(torch._foreach_norm(tensors, math.inf))
+        self._slots[d].extend(slots)
+
     def flush(self) -> None:
         """Reduce every pending tensor now (one multi-tensor launch per dtype). Hooks queue tensors as they are, maybe requiring grad:
         reduced here under ``no_grad``, nothing is recorded for autograd."""

@@ -17,8 +17,9 @@ gradient hooks: the host reads the other module's slot instead. Inputs are obser
 hook, after the module ran, so a module costs one Python hook call per forward: only the root
 (micro-batches) and modules that work in place (their input must be measured before they change
 it) also get a pre-hook. Under ``torch.compile`` the hooks skip the
-Python bookkeeping and call the custom op ``ampwatch::observe`` (an ordered side effect that writes
-the stats buffer), so Dynamo traces them into the graph with no graph break; gradients are observed with
+Python bookkeeping and call the op ``ampwatch::observe`` (registered as a side effect, so the
+compilers keep it; its body reduces the tensor at run time with one launch), so Dynamo traces them
+into the graph with no graph break; gradients are observed with
 ``Tensor.register_hook``, which Dynamo also traces (eager fills the same hook dict without the
 public method's Python costs, :func:`_add_grad_hook`: the same gradient, at a fifth of the host cost).
 
@@ -61,31 +62,52 @@ DTYPE_NAMES = tuple(str(dt).replace("torch.", "") for dt in DTYPES)
 _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the custom op
 
 
-@torch.library.custom_op("ampwatch::observe", mutates_args=())
-def observe(x: torch.Tensor, buffer: int, slot: int) -> None:
-    """Fold min/max of ``x`` into row ``slot`` of observer ``buffer``'s stats for ``x``'s dtype.
+_LIBRARY = torch.library.Library("ampwatch", "DEF")
+_LIBRARY.define("observe(Tensor[] xs, int buffer, int[] slots) -> ()")
 
-    The stats are looked up here rather than passed in: a compiled graph that took them as an input
-    would save them for its backward, and any write to them between forward and backward (an eager
-    module, another compiled graph) would fail autograd's version check. The op is registered as
-    an ordered side effect instead, so it is neither dropped nor reordered. Its body runs as Python
-    at run time, inside compiled graphs too."""
+
+def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
+    """``ampwatch::observe``: reduce each of ``xs`` into its slot of observer ``buffer``'s stats.
+
+    The op under torch.compile: hooks traced into a graph call it, once per module call for all
+    its tensors, and its body runs at run time (as Python, inside compiled graphs too). The stats are looked up here rather than passed in: a
+    compiled graph that took them as an input would save them for its backward, and any write to
+    them between forward and backward (an eager module, another compiled graph) would fail
+    autograd's version check. Defined with ``torch.library.Library`` and one kernel for every
+    backend, not ``torch.library.custom_op``: its input never requires grad, and the custom op's
+    Python autograd layer cost ~40 us per call, on every observed tensor of every step."""
     observer = _OBSERVERS.get(buffer)
-    if observer is None or x.dtype not in DTYPE_INDEX:  # the watch was closed: a no-op
+    if observer is None:  # the watch was closed: a no-op
         return
-    observer.reduce_now(x, slot)
+    observer.reduce_traced(xs, slots)
 
 
-@observe.register_fake
-def _observe_fake(x: torch.Tensor, buffer: int, slot: int) -> None:
+_LIBRARY.impl("observe", observe, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ampwatch::observe")
+def _observe_fake(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
     return None
 
 
-try:
-    from torch._library.effects import EffectType
-    observe.register_effect(EffectType.ORDERED)
-except (ImportError, AttributeError):  # older torch: under compile the op may be dropped (eager is unaffected)
-    pass
+def _keep_in_graphs(op: Any) -> None:
+    """An op that returns nothing and mutates nothing would be dropped from compiled graphs as dead
+    code. Where the compilers' dead-code check (``torch._library.utils.is_impure``) honours FX's
+    side-effect registry, registering it there keeps it at the cost of a plain op call; older
+    torch gets an ordered effect instead (each call then pays the effect token's Python wrapper,
+    ~80 us)."""
+    if hasattr(torch._library.utils, "is_impure"):
+        torch.fx.node.has_side_effect(op)
+        return
+    try:
+        from torch._higher_order_ops import effects
+        register = getattr(torch.library, "_register_effectful_op", None) or effects._register_effectful_op
+        register(op, effects._EffectType.ORDERED)
+    except (ImportError, AttributeError):  # older torch: under compile the op may be dropped (eager is unaffected)
+        pass
+
+
+_keep_in_graphs(torch.ops.ampwatch.observe.default)
 
 
 # Bound once (a Python frame less per hook call); Dynamo knows the function and folds it to True.
@@ -439,12 +461,31 @@ class ModuleObserver:
         self._handles.clear()
 
     # -- observation -------------------------------------------------------------------------------
-    def _observe_traced(self, t: torch.Tensor, slot: int) -> None:
-        """Under torch.compile: the custom op for ``t`` (into ``slot``), a tensor hook for its gradient."""
-        if t.dtype in DTYPE_INDEX:
-            torch.ops.ampwatch.observe(t.detach(), self._id, slot)
-        if t.requires_grad and torch.is_grad_enabled():
-            t.register_hook(partial(self._on_grad, slot + (GIN - IN)))  # IN->GIN, OUT->GOUT
+    def _observe_traced(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
+        """Under torch.compile: one op call for a module call's tensors (into ``slots``), and a
+        tensor hook for each one's gradient."""
+        if tensors:
+            torch.ops.ampwatch.observe([t.detach() for t in tensors], self._id, slots)
+        if torch.is_grad_enabled():
+            for t, slot in zip(tensors, slots):
+                if t.requires_grad:
+                    t.register_hook(partial(self._on_grad, slot + (GIN - IN)))  # IN->GIN, OUT->GOUT
+
+    def reduce_traced(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
+        """The op's body: where reads are free one ``aminmax`` each; on an accelerator the maxima
+        of all of them (one ``_foreach_norm`` launch per dtype, usually one), joined to the step's
+        other maxima. Not queued: a compiler may reuse their memory once the op returns."""
+        if self._host is not None:
+            for t, slot in zip(tensors, slots):
+                self.reduce_now(t, slot)
+            return
+        dtypes = [DTYPE_INDEX[t.dtype] for t in tensors]
+        if len(set(dtypes)) == 1:
+            self._batch.reduce_now(dtypes[0], tensors, slots)
+            return
+        for d in set(dtypes):  # a module call whose tensors differ in dtype (a cast)
+            mine = [i for i, e in enumerate(dtypes) if e == d]
+            self._batch.reduce_now(d, [tensors[i] for i in mine], [slots[i] for i in mine])
 
     def _write(self, t: torch.Tensor, slot: int) -> bool:
         """Eager: queue ``t`` for ``slot`` (reduced at the next flush, with no grad recorded), or
@@ -476,17 +517,17 @@ class ModuleObserver:
         return bool(nan or inf)
 
     def reduce_now(self, t: torch.Tensor, slot: int) -> bool:
-        """One ``aminmax`` of ``t`` folded into ``slot`` now (eager on the CPU; the custom op's body).
-        Where reads are free also True when ``t`` is non-finite, with its NaN/inf counts."""
+        """``t`` reduced now, not queued (a volatile slot in eager; the op's body where reads are
+        free). On an accelerator its max |x| joins the step's other maxima (one launch; see
+        :meth:`.batched.BatchedReducer.reduce_now`). Where reads are free one ``aminmax``, read and
+        folded into ``slot``; then also True when ``t`` is non-finite, with its NaN/inf counts."""
         d = DTYPE_INDEX[t.dtype]
         if t.requires_grad:
             t = t.detach()
-        mn, mx = torch.aminmax(t)
-        if self._host is None:  # a compiled graph on an accelerator: into the device rows
-            row = self._views[d][slot]
-            torch.minimum(row[0], mn, out=row[0])
-            torch.maximum(row[1], mx, out=row[1])
+        if self._host is None:
+            self._batch.reduce_now(d, [t], [slot])
             return False
+        mn, mx = torch.aminmax(t)
         lo, hi = mn.item(), mx.item()
         self._host.fold(d, slot, lo, hi)
         if math.isfinite(lo) and math.isfinite(hi):
@@ -497,7 +538,7 @@ class ModuleObserver:
         # runs inside the user's backward(): must never raise or return a tensor
         if self.active and grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
             if _compiling():  # a compiled backward (Dynamo traced the tensor hook)
-                torch.ops.ampwatch.observe(grad.detach(), self._id, slot)
+                torch.ops.ampwatch.observe([grad.detach()], self._id, [slot])
                 return
             try:
                 self._write(grad, slot)
@@ -527,8 +568,8 @@ class ModuleObserver:
         if not (self.active and module.training):
             return
         if _compiling():
-            for t in _inputs(args, kwargs):
-                self._observe_traced(t, ROLES * index + IN)
+            tensors = _inputs(args, kwargs)
+            self._observe_traced(tensors, [ROLES * index + IN] * len(tensors))
             return
         if not torch.is_grad_enabled() and torch.is_inference_mode_enabled():  # nothing to learn from,
             return                                                              # and no version counters
@@ -562,12 +603,9 @@ class ModuleObserver:
         if not (self.active and module.training):
             return
         if _compiling():
-            base = ROLES * index
-            if index not in self._pre:
-                for t in _inputs(args, kwargs):
-                    self._observe_traced(t, base + IN)
-            for t in _tensor_list(output):
-                self._observe_traced(t, base + OUT)
+            ins = [] if index in self._pre else _inputs(args, kwargs)
+            outs = _tensor_list(output)
+            self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
             return
         grad = torch.is_grad_enabled()
         if not grad and torch.is_inference_mode_enabled():  # inference mode disables grad
@@ -603,3 +641,25 @@ class ModuleObserver:
         except Exception as exc:  # recording must never take training down
             self._failed(exc)
 
+
+
+def never_a_frame_of_its_own(*functions: Any) -> None:
+    """Dynamo compiles every Python frame that runs while a compiled module is called, hooks
+    included. A model with graph breaks of its own runs the modules around a break eagerly, and
+    their hooks would then be compiled as frames of their own: once per module (Dynamo
+    specializes on the module and its index), up to its recompile limit, each call then a graph of
+    its own (+80 ms a step on GPT-2 small's tree). Skipping their code, and the frames it calls,
+    at frame level keeps them eager there; inlined into a module's compiled forward (no frame of
+    their own) they are still traced."""
+    try:  # torch >= 2.6: the frame and every frame it calls
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        for fn in functions:
+            set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError):  # older torch: the frame alone, where it can
+        skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+        for fn in functions if skip_code is not None else ():
+            skip_code(fn.__code__)
+
+
+never_a_frame_of_its_own(ModuleObserver._before, ModuleObserver._after, ModuleObserver._on_grad)

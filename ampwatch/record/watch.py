@@ -27,7 +27,7 @@ from ..runinfo import describe_run, module_aliases, parameter_table, resolve_pat
 from ..settings import resolve
 from ..writer import RunWriter
 from .grads import GradMeter
-from .observe import ModuleObserver
+from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
 
@@ -422,6 +422,8 @@ class _AutocastProbe:
         if watch is not None and not watch._amp_seen and not watch.step:
             watch.guarded(watch.on_autocast)()
 
+
+never_a_frame_of_its_own(_AutocastProbe.__call__)
 
 _open_watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
 
