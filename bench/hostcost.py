@@ -7,13 +7,16 @@ exact module tree (``transformers.GPT2Config()``: 12 blocks, 164 modules, 148 pa
 tiny widths (``n_embd`` 48, 16 tokens), so the arithmetic is negligible and a step is almost all
 dispatch, on the accelerator path (``AMPWATCH_CPU_AS_ACCELERATOR=1``: no free host reads, the
 reductions batched as on CUDA). Reported: the added milliseconds per step (median of paired
-block differences, variants interleaved, one thread), at the defaults and with ``localize=False``.
+block differences, variants interleaved, one thread), at the defaults and with ``localize=False``,
+and for scale the *hook floor*: what per-module observation through Python hooks costs when the
+hooks do nothing (a forward hook per module, a gradient hook per output).
 
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
 
     python bench/hostcost.py --rounds 30 --steps 10
     python bench/hostcost.py --path cpu        # the free-reads path instead
+    python bench/hostcost.py --compile aot_eager --rounds 12   # compiled copies (no model graph breaks)
 """
 from __future__ import annotations
 
@@ -48,22 +51,33 @@ def model_and_batch(seq: int = 16):
     return model, x
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    logging.getLogger("ampwatch").setLevel(logging.WARNING)
-    model, x = model_and_batch()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu")
+def hook_floor(model: torch.nn.Module, steps):
+    """The least any per-module observation in Python costs: a forward hook on every module that
+    does nothing but give each floating output a gradient hook (ampwatch's own cheap way,
+    ``observe._add_grad_hook``) that does nothing (``dict.get``: a C call returning None)."""
+    from ampwatch.record.observe import _add_grad_hook
+    nothing = {}.get
 
+    def hook(module, args, kwargs, output):
+        for t in ((output,) if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else ()):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                _add_grad_hook(t, t.grad_fn, nothing)
+
+    def run(k: int) -> float:
+        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
+        try:
+            return steps(k)
+        finally:
+            for h in handles:
+                h.remove()
+    return run
+
+
+def make_step(model, x, opt, scaler):
     def step() -> float:
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.float16):
-            logits = model(x).logits
+            logits = model(x, use_cache=False).logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -72,8 +86,15 @@ def main() -> None:
         scaler.update()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
+    return step
 
-    folder = tempfile.mkdtemp()
+
+def eager_variants(folder: str) -> tuple[dict, torch.nn.Module]:
+    """One model; ampwatch attached for each of its blocks and closed after it."""
+    model, x = model_and_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    step = make_step(model, x, opt, scaler)
     counter = iter(range(10 ** 9))
 
     def watched(**options):
@@ -84,10 +105,39 @@ def main() -> None:
                 return statistics.median(step() for _ in range(k))
         return run
 
-    variants = {"base": lambda k: statistics.median(step() for _ in range(k)),
-                "ampwatch": watched(), "localize=False": watched(localize=False)}
+    return {"base": lambda k: statistics.median(step() for _ in range(k)),
+            "hook floor": hook_floor(model, lambda k: statistics.median(step() for _ in range(k))),
+            "ampwatch": watched(), "localize=False": watched(localize=False)}, model
+
+
+def compiled_variants(folder: str, backend: str) -> tuple[dict, torch.nn.Module]:
+    """A compiled copy per variant (hooks are guarded: attaching to one compiled copy and detaching
+    again would recompile it every block), ampwatch attached before compiling, as the README says."""
+    variants = {}
+    for name, options in (("base", None), ("ampwatch", {}), ("localize=False", {"localize": False})):
+        model, x = model_and_batch()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler("cpu")
+        if options is not None:
+            ampwatch.attach(model, opt, scaler, path=f"{folder}/{name}.sqlite", **options)
+        step = make_step(torch.compile(model, backend=backend), x, opt, scaler)
+        variants[name] = lambda k, step=step: statistics.median(step() for _ in range(k))
+    return variants, model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
+    ap.add_argument("--compile", metavar="BACKEND", help="torch.compile every copy with this backend (aot_eager)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("ampwatch").setLevel(logging.WARNING)
+    folder = tempfile.mkdtemp()
+    variants, model = compiled_variants(folder, args.compile) if args.compile else eager_variants(folder)
     for run in variants.values():
-        run(2)
+        run(3)  # compiles, learns, warms up
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(args.rounds):
@@ -95,8 +145,9 @@ def main() -> None:
             times[name].append(variants[name](args.steps))
     modules = len(list(model.modules()))
     params = len(list(model.parameters()))
+    mode = f"torch.compile({args.compile})" if args.compile else "eager"
     print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
-          f"torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, 1 thread\n")
+          f"{mode}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, 1 thread\n")
     print("| variant | median step ms | added ms/step (median paired) |")
     print("|---|---|---|")
     for name in names:
