@@ -59,7 +59,7 @@ DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
 DTYPE_NAMES = tuple(str(dt).replace("torch.", "") for dt in DTYPES)
 
 
-_OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the custom op
+_OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the op
 
 
 _LIBRARY = torch.library.Library("ampwatch", "DEF")
@@ -70,12 +70,13 @@ def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
     """``ampwatch::observe``: reduce each of ``xs`` into its slot of observer ``buffer``'s stats.
 
     The op under torch.compile: hooks traced into a graph call it, once per module call for all
-    its tensors, and its body runs at run time (as Python, inside compiled graphs too). The stats are looked up here rather than passed in: a
-    compiled graph that took them as an input would save them for its backward, and any write to
-    them between forward and backward (an eager module, another compiled graph) would fail
-    autograd's version check. Defined with ``torch.library.Library`` and one kernel for every
-    backend, not ``torch.library.custom_op``: its input never requires grad, and the custom op's
-    Python autograd layer cost ~40 us per call, on every observed tensor of every step."""
+    its tensors, and its body runs at run time (as Python, inside compiled graphs too). The stats
+    are looked up here rather than passed in: a compiled graph that took them as an input would
+    save them for its backward, and any write to them between forward and backward (an eager
+    module, another compiled graph) would fail autograd's version check. Defined with
+    ``torch.library.Library`` and one kernel for every backend, not ``torch.library.custom_op``:
+    its inputs never require grad, and the custom op's Python autograd layer cost tens of us per
+    call, on every module call of every step (bench/hostcost.py --compile)."""
     observer = _OBSERVERS.get(buffer)
     if observer is None:  # the watch was closed: a no-op
         return
@@ -94,8 +95,8 @@ def _keep_in_graphs(op: Any) -> None:
     """An op that returns nothing and mutates nothing would be dropped from compiled graphs as dead
     code. Where the compilers' dead-code check (``torch._library.utils.is_impure``) honours FX's
     side-effect registry, registering it there keeps it at the cost of a plain op call; older
-    torch gets an ordered effect instead (each call then pays the effect token's Python wrapper,
-    ~80 us)."""
+    torch gets an ordered effect instead (each call then also pays the effect token's Python
+    wrapper, tens of us)."""
     if hasattr(torch._library.utils, "is_impure"):
         torch.fx.node.has_side_effect(op)
         return
@@ -640,7 +641,6 @@ class ModuleObserver:
                 self._finish.append(index)
         except Exception as exc:  # recording must never take training down
             self._failed(exc)
-
 
 
 def never_a_frame_of_its_own(*functions: Any) -> None:
