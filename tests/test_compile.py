@@ -200,3 +200,24 @@ def test_hooks_around_a_models_own_graph_break_are_not_compiled(tmp_path, monkey
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
     recorded = set(run_.modules["module"])
     assert {f"{i}.fc" for i in range(10)} | {f"{i}.act" for i in range(10)} | {"10"} <= recorded
+
+
+def test_failure_inside_the_compiled_op_stops_recording_not_training(tmp_path, monkeypatch):
+    """An internal failure in the op's body, inside the user's compiled forward, warns once and
+    stops recording; the compiled training goes on with the losses of the unwatched run."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    from ampwatch.record import observe
+    _, plain_losses, _, _ = run(tmp_path, "plain", compiled=True, watched=False)
+
+    def broken(self, tensors, slots):
+        if self._calls_seen >= 6:  # a bug met after the first steps: an internal error, not torch's
+            raise ZeroDivisionError("injected")
+        self._calls_seen += 1
+
+    monkeypatch.setattr(observe.ModuleObserver, "_calls_seen", 0, raising=False)
+    monkeypatch.setattr(observe.ModuleObserver, "reduce_traced", broken)
+    with pytest.warns(RuntimeWarning, match="stopped recording") as caught:
+        _, losses, breaks, _ = run(tmp_path, "broken", compiled=True, watched=True)
+    assert len([w for w in caught if "stopped recording" in str(w.message)]) == 1
+    assert breaks == {}
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))

@@ -78,9 +78,12 @@ def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
     its inputs never require grad, and the custom op's Python autograd layer cost tens of us per
     call, on every module call of every step (bench/hostcost.py --compile)."""
     observer = _OBSERVERS.get(buffer)
-    if observer is None:  # the watch was closed: a no-op
+    if observer is None or not observer.active:  # the watch was closed or stopped: a no-op
         return
-    observer.reduce_traced(xs, slots)
+    try:
+        observer.reduce_traced(xs, slots)
+    except Exception as exc:  # inside the user's compiled forward: recording must never take it down
+        observer._failed(exc)
 
 
 _LIBRARY.impl("observe", observe, "CompositeExplicitAutograd")
