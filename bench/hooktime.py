@@ -41,7 +41,7 @@ from ampwatch import backward as backward_end  # noqa: E402
 from ampwatch.record import batched, hoststats, observe, watch  # noqa: E402
 
 ENTRY_POINTS: list[tuple[Any, tuple[str, ...]]] = [
-    (observe.ModuleObserver, ("_before", "_after", "_on_eager_grad", "_on_grad")),
+    (observe.ModuleObserver, ("_before", "_after", "_on_grad")),
     (backward_end.BackwardEnd, ("_on_output", "_on_parameter", "_on_output_grad", "_on_end")),
     (watch.Watch, ("on_scale", "on_unscaled", "before_scaler_step", "after_scaler_step", "before_update",
                    "end_step", "_before_optimizer_step", "_after_optimizer_step", "on_clip")),

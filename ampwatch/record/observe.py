@@ -307,8 +307,7 @@ class ModuleObserver:
         steps check them (a model may hand on a different tensor on some steps: a wrapper that
         returns its child's output, except when it changes it; then the alias is broken for this
         step, left out of the analysis, and ``t`` is observed in its own slot). True when known
-        (free reads) to be non-finite. One function for the whole path: each Python call costs
-        ~1 us inside a training step, and this runs for every module output."""
+        (free reads) to be non-finite."""
         slot = ROLES * index + role
         if self._learning:
             if self._learn_alias(index, role, call, pos, t, slot, may_alias):
@@ -324,20 +323,15 @@ class ModuleObserver:
                     self._broken.add(key)
             if slot in self._targets:  # another slot's alias points here: note this step's tensor
                 self._held[slot] = weakref.ref(t)
-        if type(t) is torch.Tensor and slot not in self._batch.volatile:
-            self._wrote = True
-            self._batch.add(DTYPE_INDEX[t.dtype], t, slot)  # reduced with its chunk
-            bad = False
-        else:  # a DTensor (reduced on this rank's shard) or a volatile slot (reduced now)
-            bad = self._write(t, slot)
+        bad = self._write(t, slot)
         if grad and t.requires_grad:  # IN -> GIN, OUT -> GOUT
+            hook = self._grad_hooks.get(slot)
+            if hook is None:
+                hook = self._grad_hooks[slot] = partial(self._on_grad, slot + 2)
             node = t.grad_fn
             if node is None:  # a leaf
-                t.register_hook(partial(self._on_grad, slot + 2))
+                t.register_hook(hook)
             else:
-                hook = self._grad_hooks.get(slot)
-                if hook is None:
-                    hook = self._grad_hooks[slot] = partial(self._on_eager_grad, slot + 2)
                 _add_grad_hook(t, node, hook)
         return bad
 
@@ -539,7 +533,8 @@ class ModuleObserver:
         return self._count(t, slot)
 
     def _on_grad(self, slot: int, grad: torch.Tensor) -> None:
-        # runs inside the user's backward(): must never raise or return a tensor
+        # every gradient hook, eager and compiled; runs inside the user's backward(): must never
+        # raise or return a tensor
         if self.active and grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
             if _compiling():  # a compiled backward (Dynamo traced the tensor hook)
                 torch.ops.ampwatch.observe([grad.detach()], self._id, [slot])
@@ -548,23 +543,6 @@ class ModuleObserver:
                 self._write(grad, slot)
             except Exception as exc:
                 self._failed(exc)
-
-    def _on_eager_grad(self, slot: int, grad: torch.Tensor) -> None:
-        # eager only (compiled code observes gradients through _on_grad): never raises. A plain
-        # gradient is queued right here (one frame: this runs for every observed gradient)
-        if not self.active or grad is None:
-            return
-        try:
-            d = DTYPE_INDEX.get(grad.dtype)
-            if d is None or grad.numel() == 0:
-                return
-            if type(grad) is torch.Tensor and slot not in self._batch.volatile:
-                self._wrote = True
-                self._batch.add(d, grad, slot)
-            else:
-                self._write(grad, slot)
-        except Exception as exc:
-            self._failed(exc)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _before(self, index: int, module: Any, args: Any, kwargs: Any) -> None:
@@ -602,8 +580,8 @@ class ModuleObserver:
 
     def _after(self, index: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         """Every module's forward hook: its inputs (unless a pre-hook saw them) and its outputs.
-        Eager, one Python frame per module call plus one per observed tensor: this runs for every
-        module of every step, where each call costs ~1 us of host time inside a training step."""
+        Eager, one Python frame per module call plus two per observed tensor (``_observe``,
+        ``_write``): this runs for every module of every step."""
         if not (self.active and module.training):
             return
         if _compiling():
