@@ -65,6 +65,11 @@ class BackwardEnd:
             handle.remove()
         self.handles.clear()
 
+    def pause(self, paused: bool) -> None:
+        """A replay (record/replay.py) runs backward passes that are not training's: no signal."""
+        if self.handles:  # not removed
+            self._active = not paused
+
     def step_ended(self, backward_expected: bool) -> None:
         """Whether the output trigger is needed next step: not after the parameter trigger fired
         (plain parameters); for good after a step with a backward (``backward_expected``: the loss

@@ -39,6 +39,9 @@ SETTINGS: tuple[Setting, ...] = (
             "per-layer/per-module detail every N steps (always on skipped or non-finite steps)"),
     Setting("localize", True, _is_bool, "True or False",
             "hook modules to find where NaN/Inf is born (forward and backward) and track fp16 headroom"),
+    Setting("replay", True, _is_bool, "True or False",
+            "with localize, on an accelerator with a GradScaler: measure module values on layer_every "
+            "steps and localize a skipped step by replaying it, not on every step (False: every step)"),
     Setting("fp32_check", True, _is_bool, "True or False",
             "with localize: recompute a forward origin's module in fp32 on bad steps (events.fp32_amax)"),
     Setting("flush_every_s", 1.0, _positive_number, "a number of seconds > 0",

@@ -7,7 +7,10 @@ exact module tree (``transformers.GPT2Config()``: 12 blocks, 164 modules, 148 pa
 tiny widths (``n_embd`` 48, 16 tokens), so the arithmetic is negligible and a step is almost all
 dispatch, on the accelerator path (``AMPWATCH_CPU_AS_ACCELERATOR=1``: no free host reads, the
 reductions batched as on CUDA). Reported: the added milliseconds per step (median of paired
-block differences, variants interleaved, one thread), at the defaults and with ``localize=False``,
+block differences, variants interleaved, one thread), at the defaults (the measured steps lie
+between ``layer_every`` steps: no module is observed, a skipped step would be replayed), with
+``replay=False`` (every module observed on every step, as on a ``layer_every`` step) and with
+``localize=False``,
 and for scale the *hook floor*: what per-module observation through Python hooks costs when the
 hooks do nothing (a forward hook per module, a gradient hook per output).
 
@@ -107,14 +110,16 @@ def eager_variants(folder: str) -> tuple[dict, torch.nn.Module]:
 
     return {"base": lambda k: statistics.median(step() for _ in range(k)),
             "hook floor": hook_floor(model, lambda k: statistics.median(step() for _ in range(k))),
-            "ampwatch": watched(), "localize=False": watched(localize=False)}, model
+            "ampwatch": watched(), "replay=False": watched(replay=False),
+            "localize=False": watched(localize=False)}, model
 
 
 def compiled_variants(folder: str, backend: str) -> tuple[dict, torch.nn.Module]:
     """A compiled copy per variant (hooks are guarded: attaching to one compiled copy and detaching
     again would recompile it every block), ampwatch attached before compiling, as the README says."""
     variants = {}
-    for name, options in (("base", None), ("ampwatch", {}), ("localize=False", {"localize": False})):
+    for name, options in (("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}),
+                          ("localize=False", {"localize": False})):
         model, x = model_and_batch()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler("cpu")

@@ -79,7 +79,7 @@ def workload(name: str):
     return model, x, lambda out: F.cross_entropy(out.float().view(-1, vocab), y.reshape(-1))
 
 
-def count(name: str, watched: bool, layer_every: int, steps: int = 3) -> tuple[float, float, int, Counter]:
+def count(name: str, watched: bool, layer_every: int, steps: int = 3, **options) -> tuple[float, float, int, Counter]:
     """(ops per step, host reads per step, modules, ops by name) over ``steps`` steps after two
     warm-up steps."""
     model, x, loss_fn = workload(name)
@@ -88,7 +88,7 @@ def count(name: str, watched: bool, layer_every: int, steps: int = 3) -> tuple[f
     watch = None
     if watched:
         folder = tempfile.mkdtemp()
-        watch = ampwatch.attach(model, opt, scaler, path=f"{folder}/run.sqlite", layer_every=layer_every)
+        watch = ampwatch.attach(model, opt, scaler, path=f"{folder}/run.sqlite", layer_every=layer_every, **options)
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.float16):
@@ -127,10 +127,13 @@ def main() -> None:
     for name in names:
         base_ops, base_reads, modules, base_by_op = count(name, False, 1)
         print(f"{name}: {modules} modules; the step itself: {base_ops:.0f} ops, {base_reads:.0f} host reads")
-        for every in settings:
-            # steps 2..4 of the run: with layer_every=20 none is a detail step (step 0 is)
-            ops, reads, _, by_op = count(name, True, every)
-            print(f"  layer_every={every:<3} ampwatch adds {ops - base_ops:.0f} ops/step, "
+        for every, options in [(e, o) for e in settings for o in ({}, {"replay": False})]:
+            # steps 2..4 of the run: with layer_every=20 none is a detail step (step 0 is), so at
+            # the defaults no module is observed (a skipped step would be replayed); replay=False
+            # observes every module on every step, as every step does at layer_every=1
+            ops, reads, _, by_op = count(name, True, every, **options)
+            label = f"layer_every={every}" + (", replay=False" if options else "")
+            print(f"  {label:<30} ampwatch adds {ops - base_ops:.0f} ops/step, "
                   f"{reads - base_reads:.0f} host reads/step")
             if args.by_op:
                 added = {op: n - base_by_op.get(op, 0) for op, n in by_op.items()}

@@ -79,21 +79,23 @@ class WriteMinusInf(nn.Module):
         return out
 
 
-def test_a_masked_nonfinite_value_is_seen_on_layer_every_steps_on_the_cpu_path(tmp_path, record_path):
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "live"])
+def test_a_masked_nonfinite_value_is_seen_on_layer_every_steps_on_the_cpu_path(tmp_path, record_path, replay):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), WriteMinusInf(), nn.ReLU(), nn.Linear(32, 4))
     x, y = data()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=4) as watch:
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=4, replay=replay) as watch:
         for _ in range(9):
             amp_step(model, opt, scaler, x, y)
     run = ampwatch.load(watch.path)
     assert not run.steps["skipped"].any()  # the loss and every gradient stayed finite
     origin = run.events[run.events.origin]
     assert set(origin["module"]) == {"1"} and set(origin["phase"]) == {"forward"}
-    # the accelerator path reduces every step; the CPU path only where the values are needed
-    expected = set(range(9)) if record_path == "accelerator" else {0, 4, 8}
+    # the accelerator path observing live reduces every step; the CPU path only where the values are
+    # needed, and the accelerator path with replay (the default) observes layer_every steps only
+    expected = set(range(9)) if record_path == "accelerator" and not replay else {0, 4, 8}
     assert set(origin["step"]) == expected
 
 

@@ -92,13 +92,17 @@ def misuse_notices(facts: Facts) -> list[Finding]:
     advice = {"step-without-update": "Call scaler.update() once after every scaler.step(optimizer); without it "
                                      "the scale never adapts and the scaler refuses the next step.",
               "clip-before-unscale": "Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_: on "
-                                     "scaled gradients max_norm clips scale-times too hard."}
+                                     "scaled gradients max_norm clips scale-times too hard.",
+              # not a misuse: the recorder's own note that one skipped step went unlocalized
+              "replay-not-reproduced": "Nothing to change in the loop. Later bad steps are localized live; "
+                                       "attach with replay=False to observe every step from the start."}
     out = []
     for code, g in n.groupby("code", sort=False):
         steps = [int(x) for x in g["step"].dropna()] or [facts.first_step]
         first, last = min(steps), max(steps)
         out.append(facts.finding(
-            f"misuse-{code}", "warning", str(g["message"].iloc[0]), first, last,
+            f"misuse-{code}", "info" if code == "replay-not-reproduced" else "warning",
+            str(g["message"].iloc[0]), first, last,
             f"recorder notice '{code}' at {len(g):,} step(s): {span(first, last)}",
             advice.get(code, "See the message: the recorder saw the training loop use the scaler "
                              "in an unexpected order."), jump=facts.jump(first, last)))

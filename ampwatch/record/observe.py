@@ -80,6 +80,9 @@ def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
     observer = _OBSERVERS.get(buffer)
     if observer is None or not observer.active:  # the watch was closed or stopped: a no-op
         return
+    observer.traced = True  # its hooks are in a compiled graph: removing them would recompile it
+    if not observer.observing:  # a step between layer_every steps that a replay localizes (replay.py)
+        return
     try:
         observer.reduce_traced(xs, slots)
     except Exception as exc:  # inside the user's compiled forward: recording must never take it down
@@ -255,6 +258,13 @@ class ModuleObserver:
         self._inplace: set[int] = set()  # modules whose output is their input (ReLU(inplace=True))
         self._pre: set[int] = set()      # modules with a pre-hook: their inputs are observed there
         self.active = True
+        # this step's module values are measured; off between layer_every steps when a skipped
+        # step is localized by replaying it (replay.py). Read at run time, never traced: the
+        # compiled graph stays one graph
+        self.observing = True
+        self.traced = False  # the op ran inside a compiled graph: the hooks stay, the op checks ``observing``
+        self._specs: list[tuple[int, bool, Any]] = []  # (module, pre-hook?, hook) to re-register
+        self._hooked = True  # the hooks in _specs are registered
         # learned structure: (module, IN or OUT, call, position) of a tensor -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int, int], int] = {}
         self._targets: set[int] = set()  # the slots aliases point to (their tensors are checked each step)
@@ -274,16 +284,44 @@ class ModuleObserver:
                 # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would
                 # compile each as a graph of its own: keep them eager (they see no traced tensors)
                 after = torch._dynamo.disable(after)
-            self._handles.append(module.register_forward_hook(after, with_kwargs=True))
+            self._hook(index, False, after)
             if index == 0 or getattr(module, "inplace", False) is True:
                 self._add_pre_hook(index)
+
+    def _hook(self, index: int, pre: bool, fn: Any) -> None:
+        self._specs.append((index, pre, fn))
+        if self._hooked:
+            self._register(index, pre, fn)
+
+    def _register(self, index: int, pre: bool, fn: Any) -> None:
+        module = self.modules[index]
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        self._handles.append(register(fn, with_kwargs=True))
 
     def _add_pre_hook(self, index: int) -> None:
         before = partial(self._before, index)
         if index == 0:
             before = torch._dynamo.disable(before)
-        self._handles.append(self.modules[index].register_forward_pre_hook(before, with_kwargs=True))
+        self._hook(index, True, before)
         self._pre.add(index)
+
+    def set_observing(self, on: bool) -> None:
+        """Measure module values this step or not. Off, eager: the hooks are removed, so torch calls
+        every module the way it calls an unhooked one (a hook that returns at once still costs its
+        call: 1.05x on GPT-2 small's tree, bench/hostcost.py). Once the hooks ran inside a compiled
+        graph (``traced``) they stay, as removing them would make Dynamo recompile each time (it
+        guards on the hook dicts): ``ampwatch::observe`` then returns at once instead."""
+        self.observing = on
+        if self.traced or not self.active or on == self._hooked:
+            return
+        self._hooked = on
+        if on:
+            for spec in self._specs:
+                self._register(*spec)
+        else:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
 
     # -- per step --------------------------------------------------------------------------------
     def _learn_alias(self, index: int, role: int, call: int, pos: int, t: torch.Tensor, slot: int,
@@ -381,6 +419,11 @@ class ModuleObserver:
         self._new_step()
         return step
 
+    def discard(self) -> None:
+        """Forget what this step measured (a replay that did not reproduce its step)."""
+        self.take()
+        self.reset_buffer(first=True)
+
     def backward_done(self, needed: bool) -> None:
         """A backward pass ended. Where reads are free, what is pending (this micro-batch's module
         values, forward and backward) is reduced only when ``needed``: the step's loss or gradients
@@ -452,6 +495,7 @@ class ModuleObserver:
     def remove(self) -> None:
         """Remove every hook; gradient hooks still pending on live tensors become no-ops."""
         self.active = False
+        self._hooked = False
         _OBSERVERS.pop(self._id, None)
         self._batch.clear()
         for handle in self._handles:
@@ -553,6 +597,8 @@ class ModuleObserver:
             tensors = _inputs(args, kwargs)
             self._observe_traced(tensors, [ROLES * index + IN] * len(tensors))
             return
+        if not self.observing:  # hooks kept for a compiled graph, run eagerly around a break
+            return
         if not torch.is_grad_enabled() and torch.is_inference_mode_enabled():  # nothing to learn from,
             return                                                              # and no version counters
         try:
@@ -589,6 +635,8 @@ class ModuleObserver:
             outs = _tensor_list(output)
             self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
             return
+        if not self.observing:
+            return
         grad = torch.is_grad_enabled()
         if not grad and torch.is_inference_mode_enabled():  # inference mode disables grad
             return
@@ -610,7 +658,9 @@ class ModuleObserver:
                 ins = tensors if tensors is not None else _inputs(args, kwargs)
                 if any(o is a for o in outputs for a in ins):  # it works in place: measure inputs before it
                     self._inplace.add(index)
-                    if index not in self._pre:
+                    # not once the hooks are in a compiled graph (this is then a replay, in eager):
+                    # Dynamo guards on the hook dicts and would recompile the model
+                    if index not in self._pre and not self.traced:
                         self._add_pre_hook(index)
             bad = False
             may_alias = index not in self._inplace  # an in-place module's output is not its input's value

@@ -136,13 +136,15 @@ def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.T
             scalars = torch.empty(offset, dtype=dt, device=dev)
             parts.append(torch.cat([t.to(dev) for _, t in segments], out=scalars).view(torch.uint8))
         if observer is not None:
-            parts.extend(observer.stats_parts())
-            parts.extend(observer.first_bytes())
-            loc = observer.take()
+            first = observer.first_bytes()
+            loc = observer.take()  # folds what is pending into the buffer first
+            if loc["observed"]:  # else the buffer is as reset and nothing reads it (packing._Analysis)
+                parts.extend(observer.stats_parts())
+                parts.extend(first)
         if parts:
             flat, ready = _transfer(torch.cat(parts) if len(parts) > 1 else parts[0],
                                     fresh=bool(segments) or len(parts) > 1)
-    if observer is not None:
+    if observer is not None and (watch._reads_free or loc["observed"]):
         observer.reset_buffer(first=bool(loc and loc["first"]))  # stream-ordered after the copy above
     lr = watch.optimizer.param_groups[0].get("lr") if watch.optimizer.param_groups else None
     return StepPack(

@@ -27,6 +27,7 @@ from ..runinfo import describe_run, module_aliases, parameter_table, resolve_pat
 from ..settings import resolve
 from ..writer import RunWriter
 from .grads import GradMeter
+from . import replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
@@ -100,6 +101,7 @@ class Watch:
         self.state = StepState(time.time())
         self.step = 0
         self.observer: Optional[ModuleObserver] = None
+        self.replayer: Optional[replay.Replayer] = None
         self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
         info["loss_definition"] = "scaled-sum" if scaler is not None else "logged-mean"
@@ -137,6 +139,9 @@ class Watch:
             if self.options["fp32_check"]:
                 from ..counterfactual import InputKeeper
                 self.observer.keeper = InputKeeper(self.observer)
+            if self.options["replay"] and replay.possible(_uncompiled(self.model), self._params, self.scaler,
+                                                          self._fused, self._reads_free):
+                self.replayer = replay.Replayer(_uncompiled(self.model), self._device)
         shared = module_aliases(_uncompiled(self.model)) if module_names else {}
         tensors = list(names) + [
             {"id": len(names) + i, "kind": "module", "name": n, "type": t,
@@ -201,6 +206,8 @@ class Watch:
                           f"{type(exc).__name__}: {exc}. Training continues.", RuntimeWarning, stacklevel=3)
         if self.observer is not None:
             self.observer.remove()
+        if self.replayer is not None:
+            self.replayer.remove()
 
     def _detail_step(self) -> bool:
         return self.step % self.options["layer_every"] == 0
@@ -301,7 +308,32 @@ class Watch:
             # known without a sync: GradScaler did not call optimizer.step(). A bad step: pay for counts.
             self.grads.measure(self._detail_step())
             self.grads.measure_detail(None)
+            if self.replayer is not None and not self.observer.observing:
+                self._replay()
         self._fp32_check(skipped)
+
+    def _replay(self) -> None:
+        """Run the skipped step again with the module hooks on (replay.py), before update(). A replay
+        that does not reproduce the skip (the model keeps Python state, the loss takes gradients
+        from outside the model's outputs) says so once, and modules are observed live from then on."""
+        self._trigger.pause(True)
+        self.observer.set_observing(True)
+        reproduced = False
+        try:
+            reproduced = self.replayer.replay(self._params)
+        finally:
+            self._trigger.pause(False)
+            if reproduced:
+                self.observer.set_observing(False)
+        if not reproduced:
+            self.observer.discard()  # the replay's values are not this step's
+            self.replayer.remove()
+            self.replayer = None
+            self.writer.put_notice(self.step, "replay-not-reproduced",
+                                   "a replay of this skipped step did not reproduce it from the model's inputs "
+                                   "and output gradients (state the model keeps in Python, or a fault outside "
+                                   "the model's outputs), so it is not localized; module values are measured "
+                                   "on every step from now on")
 
     def _fp32_check(self, skipped: bool) -> None:
         """The fp32 recompute of a forward origin (counterfactual.py), before weights change."""
@@ -339,7 +371,11 @@ class Watch:
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
         self.step += 1
-        if self._probes and all(probe.eager_calls for probe in self._probe_objects):
+        if self.replayer is not None:  # module values measured live on layer_every steps only
+            self.replayer.clear()
+            self.observer.set_observing(self._detail_step())
+        if (self._probes and all(probe.eager_calls for probe in self._probe_objects)
+                and not (self.observer is not None and self.observer.traced)):  # a replay's eager calls
             # every probe ran in eager, none was compiled into a graph (removing it would make
             # torch.compile recompile): a pre-hook per child costs a few us a forward for nothing
             self._remove_probes()
@@ -386,6 +422,8 @@ class Watch:
             self._scaler_hooks.unpatch()
         if self.observer is not None:
             self.observer.remove()
+        if self.replayer is not None:
+            self.replayer.remove()
         writer = getattr(self, "writer", None)
         if writer is not None:
             writer.close(status, error)

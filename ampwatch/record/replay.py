@@ -1,0 +1,206 @@
+"""Localizing a skipped step by replaying it, so that healthy steps observe no module at all.
+
+On an accelerator, observing every module on every step is what recording costs: a Python hook per
+module call and per gradient, and reductions that read every activation and gradient once (GPT-2
+small on an H100: 1.14x, eager). Yet on most steps nothing is written from them: module rows are
+written on ``layer_every`` steps and on bad ones. With a GradScaler, a bad step is a skipped one:
+any non-finite gradient makes ``scaler.step`` skip ``optimizer.step``, which the host learns
+without a sync (the scaler read its inf flags itself). The parameters are then exactly those the
+step ran with, so the step can be run again, observed, before ``scaler.update``.
+
+So between ``layer_every`` steps the module hooks are off (eager: removed, so torch's module call
+takes its no-hook path; compiled: ``ampwatch::observe`` returns at once) and each forward of the
+root module only keeps references (no copy) to what a replay needs: its arguments, the RNG states,
+the autocast state, and the gradients that reached its outputs from outside the model (the loss's
+gradient, scaled). A skipped step is then replayed micro-batch by micro-batch in eager mode with
+the hooks on: the same forward, and ``torch.autograd.grad`` from the same output gradients, which
+computes and discards the parameters' gradients (their ``.grad`` is untouched). Buffers
+(BatchNorm's running stats) and the RNG states are restored afterwards, so training goes on with
+the same numbers as without ampwatch.
+
+What is given up against observing every step: a non-finite module value that reaches neither
+the loss nor any gradient (masked) is seen on ``layer_every`` steps only, as on the CPU path; and a
+replay is a second run of the step, so a step that is not reproducible (a compiled model replayed
+in eager, nondeterministic kernels) is localized from the replay's values. It needs the skip known
+on the host: not with a fused optimizer (it skips inside its kernel), nor without a scaler (bf16: a
+bad step updates the weights), nor under DDP/FSDP (a replay would start collectives on one rank).
+There the module hooks observe every step, as before.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+from .. import probes
+from .observe import _add_grad_hook
+
+MAX_BATCHES = 1024  # root forwards kept per step, at most
+
+
+def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, fused: bool,
+             reads_free: bool) -> bool:
+    """Whether a skipped step of this training can be replayed (see the module docstring)."""
+    if reads_free or scaler is None or fused or not probes.scaler_enabled(scaler):
+        return False
+    wrapped = {"DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"}
+    if any(type(m).__name__ in wrapped or type(m).__name__.startswith("FSDP") for m in model.modules()):
+        return False
+    return all(type(p) is torch.nn.Parameter for p in params)
+
+
+class _MicroBatch:
+    """What one forward of the root module needs to run again: references, no copies."""
+    __slots__ = ("args", "kwargs", "rng", "autocast", "grads")
+
+    def __init__(self, args: Any, kwargs: Any, rng: tuple, autocast: tuple) -> None:
+        self.args, self.kwargs, self.rng, self.autocast = args, kwargs, rng, autocast
+        self.grads: dict[int, torch.Tensor] = {}  # output position -> the gradient it received
+
+
+def _grad_outputs(output: Any) -> list[torch.Tensor]:
+    """The root's output tensors that carry gradient, distinct, in a fixed order."""
+    seen: set[int] = set()
+    out = []
+    for t in probes.nested_tensors(output):
+        if t.requires_grad and t.grad_fn is not None and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _internal(outputs: list[torch.Tensor]) -> set[int]:
+    """Positions of outputs computed from other outputs (HF's logits, from which the model computes
+    its own loss): their gradient comes from inside the model, and a replay starting from them as
+    well as from the loss would count it twice. One walk of the graph, on the first step."""
+    stack = [fn for t in outputs for fn, _ in t.grad_fn.next_functions if fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return {i for i, t in enumerate(outputs) if t.grad_fn in seen}
+
+
+class Replayer:
+    """Root hooks that keep each micro-batch's references; :meth:`replay` runs them again."""
+
+    def __init__(self, root: torch.nn.Module, device: torch.device) -> None:
+        self.root, self.device = root, device
+        self.batches: list[_MicroBatch] = []
+        self.replaying = False
+        self.broken = False  # this step's references are incomplete: it cannot be replayed
+        self._device_rng = getattr(torch, device.type, None) if device.type != "cpu" else None
+        self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
+        # kept eager under torch.compile(model): the root's hooks run outside its graph
+        self._handles = [
+            root.register_forward_pre_hook(torch._dynamo.disable(self._keep), with_kwargs=True),
+            root.register_forward_hook(torch._dynamo.disable(self._outputs), with_kwargs=True),
+        ]
+
+    def _rng(self) -> tuple:
+        device = self._device_rng.get_rng_state() if self._device_rng is not None else None
+        return torch.get_rng_state(), device
+
+    def _set_rng(self, rng: tuple) -> None:
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            self._device_rng.set_rng_state(rng[1])
+
+    def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self.replaying or self.broken or not (module.training and torch.is_grad_enabled()):
+            return
+        try:  # inside the user's forward: must never raise
+            if len(self.batches) >= MAX_BATCHES:  # forwards with grad but no step (an eval loop in train mode)
+                self.batches.clear()
+                self.broken = True  # this step cannot be replayed whole
+                return
+            kind = self.device.type
+            autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            self.batches.append(_MicroBatch(args, kwargs, self._rng(), autocast))
+        except Exception:
+            self.broken = True
+
+    def _outputs(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if self.replaying or self.broken or not self.batches or not (module.training and torch.is_grad_enabled()):
+            return
+        try:
+            self._hook_outputs(self.batches[-1], output)
+        except Exception:
+            self.broken = True
+
+    def _hook_outputs(self, batch: _MicroBatch, output: Any) -> None:
+        outputs = _grad_outputs(output)
+        internal = self._internal.get(len(outputs))
+        if internal is None:
+            internal = self._internal[len(outputs)] = _internal(outputs) if len(outputs) > 1 else set()
+        for pos, t in enumerate(outputs):
+            if pos not in internal:
+                _add_grad_hook(t, t.grad_fn, partial(_keep_grad, batch.grads, pos))
+
+    def clear(self) -> None:
+        """The step ended: its references go."""
+        self.batches = []
+        self.broken = False
+
+    def replay(self, params: list[torch.Tensor]) -> bool:
+        """Run the step's micro-batches again, forward and backward (the observer's hooks must be on).
+        True when the replay reproduced the skip: some parameter gradient came out non-finite, and
+        no micro-batch whose outputs' gradients were non-finite (a non-finite loss) made finite
+        outputs this time (a few reads per micro-batch: syncs, on a skipped step only). Parameters'
+        ``.grad``, buffers and RNG states are left as they were."""
+        if self.broken or not self.batches:
+            return False
+        trainable = [p for p in params if p.requires_grad]
+        reproduced = unfaithful = False
+        buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
+        now = self._rng()
+        self.replaying = True
+        try:
+            with torch.enable_grad():
+                for batch in self.batches:
+                    self._set_rng(batch.rng)
+                    enabled, dtype = batch.autocast
+                    with torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
+                        output = self.root(*batch.args, **batch.kwargs)
+                    outputs = _grad_outputs(output)
+                    pairs = [(outputs[pos], g) for pos, g in batch.grads.items() if pos < len(outputs)]
+                    if pairs and not _finite([g for _, g in pairs]) and _finite([t for t, _ in pairs]):
+                        # the loss went non-finite from outputs this forward made finite: not the same step
+                        unfaithful = True
+                    if pairs and trainable:
+                        grads = torch.autograd.grad([t for t, _ in pairs], trainable, [g for _, g in pairs],
+                                                    allow_unused=True)
+                        grads = [g for g in grads if g is not None]
+                        if grads and not reproduced:
+                            reproduced = not _finite(grads)
+                        del grads
+                    del output, outputs, pairs
+        finally:
+            self.replaying = False
+            self._set_rng(now)
+            with torch.no_grad():
+                for b, kept in buffers:
+                    b.copy_(kept)
+        return reproduced and not unfaithful
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.batches = []
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (one multi-tensor reduction, one read)."""
+    norms = torch._foreach_norm([t.detach() for t in tensors], math.inf)
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
+def _keep_grad(grads: dict, pos: int, grad: Optional[torch.Tensor]) -> None:
+    if grad is not None:
+        grads[pos] = grad

@@ -1,0 +1,278 @@
+"""Localizing skipped steps by replaying them (ampwatch/record/replay.py), on the accelerator path.
+
+The ground truth is the live observation of every step (``replay=False``): the replayed step must
+give the same events (module, phase, kind, origin, micro-batch, amax), and training must produce
+the same numbers as without ampwatch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampwatch
+from ampwatch.demo import TinyGPT, batches
+
+EVENT_COLS = ["step", "phase", "module", "kind", "origin", "micro_batch", "amax", "dtype"]
+
+
+@pytest.fixture(autouse=True)
+def accelerator(monkeypatch):
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: no free reads
+
+
+class Amplify(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e6
+
+
+class Bomb(nn.Module):
+    """Parameter-free: finite forward; multiplies the gradient flowing back by 1e6 while armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return Amplify.apply(x) if self.armed else x
+
+
+class Net(nn.Module):
+    """Dropout (RNG) and BatchNorm (buffers): what a replay must put back as it found it."""
+
+    def __init__(self, loss_inside: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.2)
+        self.bomb = Bomb()
+        self.fc2 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+        self.loss_inside = loss_inside
+
+    def forward(self, x, y=None):
+        logits = self.head(F.gelu(self.fc2(self.bomb(self.drop(self.norm(self.fc1(x)))))))
+        if self.loss_inside:  # HF-style: (loss, logits), the loss computed from the logits
+            return F.mse_loss(logits.float(), y), logits
+        return logits
+
+
+def train(tmp_path, name, *, watched=True, fault=None, fault_step=3, steps=6, accum=1, bad_batch=0,
+          loss_inside=False, compiled=False, **options):
+    """Train Net with fp16 autocast and a CPU GradScaler; ``fault`` at ``fault_step``: "forward"
+    (fc2's weights x1e6), "backward" (the bomb armed) or "input" (micro-batch ``bad_batch``'s input
+    x1e7). Returns (run or None, losses, parameters, buffers)."""
+    torch._dynamo.reset()
+    model = Net(loss_inside)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), **options) if watched else None
+    net = torch.compile(model, backend="aot_eager") if compiled else model
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        armed = step == fault_step
+        saved = model.fc2.weight.detach().clone()
+        if armed and fault == "forward":
+            with torch.no_grad():
+                model.fc2.weight.mul_(1e6)  # fp16 output > 65504 (for the whole step: a replay sees it too)
+        model.bomb.armed = armed and fault == "backward"
+        for k in range(accum):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            if armed and fault == "input" and k == bad_batch:
+                x = x * 1e7  # finite in fp32, inf once autocast casts it to fp16 inside fc1
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = net(x, y) if loss_inside else net(x)
+            loss = (out[0] if loss_inside else F.mse_loss(out.float(), y)) / accum
+            losses.append(loss.detach().clone())
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        model.bomb.armed = False
+        if armed and fault == "forward":
+            with torch.no_grad():
+                model.fc2.weight.copy_(saved)  # the step was skipped: the weights are as before it
+    params = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.detach().clone() for b in model.buffers()]
+    if watch is None:
+        return None, losses, params, buffers
+    watch.close()
+    return ampwatch.load(watch.path), losses, params, buffers
+
+
+def _same(xs, ys) -> bool:
+    """Bitwise equal tensors, NaN where the other has NaN (the bad step's loss)."""
+    return len(xs) == len(ys) and all(torch.equal(x.nan_to_num(nan=7.0), y.nan_to_num(nan=7.0))
+                                      and torch.equal(x.isnan(), y.isnan()) for x, y in zip(xs, ys))
+
+
+def _events(run):
+    ev = run.events[run.events.phase.isin(["forward", "backward"])]
+    return ev[EVENT_COLS].sort_values(EVENT_COLS[:3]).reset_index(drop=True)
+
+
+@pytest.mark.parametrize("fault", ["forward", "backward"])
+def test_a_replayed_step_is_localized_as_live_observation_localizes_it(tmp_path, fault):
+    replayed, losses, params, buffers = train(tmp_path, "replay", fault=fault)
+    live, live_losses, live_params, live_buffers = train(tmp_path, "live", fault=fault, replay=False)
+    plain, plain_losses, plain_params, plain_buffers = train(tmp_path, "plain", watched=False, fault=fault)
+    a, b = _events(replayed), _events(live)
+    assert len(b) and a.equals(b)  # same modules, kinds, origins and amax values, bitwise
+    origin = a[a.origin]
+    assert origin[["step", "phase", "module"]].values.tolist() == [[3, fault, "fc2" if fault == "forward" else "bomb"]]
+    assert replayed.steps.set_index("step").loc[3, "skipped"]
+    # training is unchanged by the replay: losses, weights, BatchNorm's running stats, dropout's RNG
+    for mine, theirs in ((losses, plain_losses), (params, plain_params), (buffers, plain_buffers),
+                         (live_losses, plain_losses)):
+        assert _same(mine, theirs)
+
+
+def test_a_replay_names_the_micro_batch_that_overflowed(tmp_path):
+    replayed = train(tmp_path, "replay", fault="input", accum=3, bad_batch=1)[0]
+    live = train(tmp_path, "live", fault="input", accum=3, bad_batch=1, replay=False)[0]
+    a, b = _events(replayed), _events(live)
+    assert len(b) and a.equals(b)
+    origin = a[a.origin & (a.phase == "forward")]
+    assert origin[["module", "micro_batch"]].values.tolist() == [["fc1", 1]]
+    assert replayed.steps.set_index("step").loc[3, "micro_batches"] == 3
+
+
+def test_a_loss_computed_inside_the_model_is_replayed_once(tmp_path):
+    """(loss, logits): the logits' gradient comes from the model's own loss. Replaying from both
+    would double every gradient inside the model; the backward amax values would then differ."""
+    replayed = train(tmp_path, "replay", fault="backward", loss_inside=True)[0]
+    live = train(tmp_path, "live", fault="backward", loss_inside=True, replay=False)[0]
+    a, b = _events(replayed), _events(live)
+    assert len(b[b.phase == "backward"]) and a.equals(b)
+
+
+def test_healthy_steps_between_detail_steps_run_no_module_hook(tmp_path):
+    """What replay buys: on a healthy step between layer_every steps torch calls every module as an
+    unhooked one, and ampwatch adds the same device ops as with localize=False."""
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops_of_step(**options):
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        g = torch.Generator().manual_seed(1)
+        counts, hooked = [], []
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{sorted(options)}.sqlite"), **options):
+            for step in range(3):
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                hooked.append(any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model))
+                with Count() as count:
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        out = model(x)
+                    scaler.scale(F.mse_loss(out.float(), y)).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad()
+                counts.append(count.ops)
+        return counts, hooked
+
+    replay_ops, replay_hooked = ops_of_step()
+    off_ops, _ = ops_of_step(localize=False)
+    live_ops, live_hooked = ops_of_step(replay=False)
+    assert replay_hooked == [True, False, False] and live_hooked == [True, True, True]
+    assert replay_ops[1:] == off_ops[1:]  # steps 1 and 2: not detail steps (layer_every=20)
+    assert live_ops[2] > replay_ops[2]
+
+
+class Counted(nn.Module):
+    """Overflows on its ``fault_call``-th call only: Python state a replay cannot reproduce."""
+
+    def __init__(self, fault_call: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.calls, self.fault_call = 0, fault_call
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.calls == self.fault_call:
+            h = h * 1e6
+        self.calls += 1
+        return h
+
+
+def test_a_step_the_replay_cannot_reproduce_says_so_and_later_steps_are_observed_live(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(Counted(2), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    g = torch.Generator().manual_seed(0)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for step in range(7):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            if step == 5:
+                with torch.no_grad():
+                    model[1].weight.mul_(1e6)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(F.mse_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if step == 5:
+                with torch.no_grad():
+                    model[1].weight.div_(1e6)
+    run = ampwatch.load(watch.path)
+    assert run.notices[["step", "code"]].values.tolist() == [[2, "replay-not-reproduced"]]
+    skipped = run.steps[run.steps.skipped.astype(bool)]["step"].tolist()
+    assert 2 in skipped and 5 in skipped
+    ev = run.events
+    origins = ev[ev.origin & (ev.phase == "forward")]
+    assert origins[["step", "module"]].values.tolist() == [[5, "1"]]  # observed live after the notice
+    assert ev[(ev.step == 2) & ev.phase.isin(["forward", "backward"])].empty  # the replay's values were dropped
+    from ampwatch.doctor import diagnose
+    findings = {f.id: f for f in diagnose(run)}
+    assert findings["misuse-replay-not-reproduced"].severity == "info"
+
+
+def test_compiled_training_replays_a_skipped_step_in_eager(tmp_path):
+    from torch._dynamo.utils import counters
+    counters.clear()
+    plain, plain_losses, _, _ = train(tmp_path, "plain", watched=False, fault="forward", compiled=True)
+    graphs = counters["stats"]["unique_graphs"]
+    counters.clear()
+    replayed, losses, _, _ = train(tmp_path, "replay", fault="forward", compiled=True)
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == graphs
+    assert _same(losses, plain_losses)
+    live = train(tmp_path, "live", fault="forward", replay=False)[0]
+    a, b = _events(replayed), _events(live)
+    cols = ["step", "phase", "module", "kind", "origin"]
+    assert len(b) and a[cols].equals(b[cols])
+
+
+@pytest.mark.parametrize("case", ["host-path", "no-scaler", "fused", "option-off"])
+def test_steps_that_cannot_be_replayed_are_observed_live(tmp_path, monkeypatch, case):
+    if case == "host-path":
+        monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR")
+    model = Net()
+    fused = case == "fused"
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = None if case == "no-scaler" else torch.amp.GradScaler("cpu")
+    options = {"replay": False} if case == "option-off" else {}
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), **options) as watch:
+        assert watch.replayer is None and watch.observer is not None
+    other = Net()  # the same model and the defaults: replayed on the accelerator path
+    with ampwatch.attach(other, torch.optim.SGD(other.parameters(), lr=0.1), torch.amp.GradScaler("cpu"),
+                         path=str(tmp_path / "ok.sqlite")) as watch:
+        assert (watch.replayer is not None) == (case != "host-path")
