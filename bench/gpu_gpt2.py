@@ -8,6 +8,7 @@ median per-step time of each variant and the median of the paired block ratios.
 
     python bench/gpu_gpt2.py                      # eager, then compiled (inductor)
     python bench/gpu_gpt2.py --modes eager --rounds 10 --steps 10
+    python bench/gpu_gpt2.py --replay off     # every module observed on every step (no replay)
 """
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ import ampwatch  # noqa: E402
 
 class Variant:
     def __init__(self, base: torch.nn.Module, watched: bool, compiled: bool, x: torch.Tensor, folder: str,
-                 layer_every: int = 20) -> None:
+                 layer_every: int = 20, replay: bool = True) -> None:
         self.model = copy.deepcopy(base)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.scaler = torch.amp.GradScaler("cuda")
         self.watch = ampwatch.attach(self.model, self.opt, self.scaler, path=f"{folder}/run.sqlite",
-                                     layer_every=layer_every) if watched else None
+                                     layer_every=layer_every, replay=replay) if watched else None
         self.net = torch.compile(self.model) if compiled else self.model
         self.x = x
         torch.cuda.synchronize()
@@ -66,10 +67,10 @@ class Variant:
 
 
 def measure(base: torch.nn.Module, x: torch.Tensor, compiled: bool, args: argparse.Namespace,
-            layer_every: int) -> None:
+            layer_every: int, replay: bool = True) -> None:
     folder = tempfile.mkdtemp()
     plain = Variant(base, False, compiled, x, folder)
-    watched = Variant(base, True, compiled, x, folder, layer_every)
+    watched = Variant(base, True, compiled, x, folder, layer_every, replay)
     for v in (plain, watched):
         for _ in range(args.warmup):
             v.step()
@@ -81,7 +82,7 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: bool, args: argpar
         watched.block_ms.append(got[id(watched)])
         ratios.append(got[id(watched)] / got[id(plain)])
     mode = "torch.compile (inductor)" if compiled else "eager"
-    print(f"{mode}, layer_every={layer_every}: without {statistics.median(plain.block_ms):.2f} ms/step, "
+    print(f"{mode}, layer_every={layer_every}, replay={replay}: without {statistics.median(plain.block_ms):.2f} ms/step, "
           f"with {statistics.median(watched.block_ms):.2f} ms/step, median paired ratio "
           f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}) over "
           f"{args.rounds} rounds of {args.steps} steps; first step {plain.first_s:.1f} s vs "
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layer-every", default="20", help="comma-separated layer_every values")
+    parser.add_argument("--replay", default="on,off", help="ampwatch's replay option: on, off or on,off")
     args = parser.parse_args()
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     # both variants compile the same class: without hook guards (Dynamo's default skips them) the
@@ -124,7 +126,8 @@ def main() -> None:
           f"batch {args.batch} x {args.seq}, fp16 autocast + GradScaler, AdamW", flush=True)
     for mode in args.modes.split(","):
         for le in (int(v) for v in args.layer_every.split(",")):
-            measure(base, x, mode == "compile", args, le)
+            for replay in args.replay.split(","):
+                measure(base, x, mode == "compile", args, le, replay == "on")
 
 
 if __name__ == "__main__":

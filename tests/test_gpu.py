@@ -17,12 +17,13 @@ def _net():
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).cuda()
 
 
-def _train(tmp_path, model, opt, steps, fault_step=None, compiled=False):
+def _train(tmp_path, model, opt, steps, fault_step=None, compiled=False, layer_every=1):
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=1000)
     g = torch.Generator(device="cuda").manual_seed(0)
     truth = []
     net = torch.compile(model) if compiled else model
-    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=1) as watch:
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"),
+                        layer_every=layer_every) as watch:
         for step in range(steps):
             if step == fault_step:
                 with torch.no_grad():
@@ -62,11 +63,14 @@ def test_fused_adamw_on_cuda_skip_is_recorded(tmp_path):
     assert steps.loc[3, "loss_scale"] == steps.loc[2, "loss_scale"] / 2
 
 
+@pytest.mark.parametrize("layer_every", [1, 20], ids=["live", "replayed"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_real_fp16_overflow_on_cuda_is_localized(tmp_path, compiled):
+def test_real_fp16_overflow_on_cuda_is_localized(tmp_path, compiled, layer_every):
+    """layer_every=1 observes every step live; at 20 steps 2 and 3 are replayed (record/replay.py),
+    with the CUDA RNG state put back."""
     model = _net()
     run, _ = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=1e-2), 4, fault_step=2,
-                    compiled=compiled)
+                    compiled=compiled, layer_every=layer_every)
     ev = run.events
     origin = ev[ev.origin & (ev.phase == "forward")]
     # the scaled weights stay scaled (the skipped step does not update them): every later step

@@ -13,7 +13,6 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
-from ampwatch.demo import TinyGPT, batches
 
 EVENT_COLS = ["step", "phase", "module", "kind", "origin", "micro_batch", "amax", "dtype"]
 
