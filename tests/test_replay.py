@@ -275,3 +275,45 @@ def test_steps_that_cannot_be_replayed_are_observed_live(tmp_path, monkeypatch, 
     with ampwatch.attach(other, torch.optim.SGD(other.parameters(), lr=0.1), torch.amp.GradScaler("cpu"),
                          path=str(tmp_path / "ok.sqlite")) as watch:
         assert (watch.replayer is not None) == (case != "host-path")
+
+
+class Checkpointed(nn.Module):
+    """Reentrant activation checkpointing: torch refuses ``autograd.grad`` through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return self.head(checkpoint(self.inner, x, use_reentrant=True))
+
+
+def test_a_model_that_cannot_be_replayed_is_observed_live_and_recording_goes_on(tmp_path):
+    model = Checkpointed()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    g = torch.Generator().manual_seed(0)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for step in range(7):
+            saved = model.inner[2].weight.detach().clone()
+            if step in (2, 5):
+                with torch.no_grad():
+                    model.inner[2].weight.mul_(1e6)
+            x = torch.randn(8, 16, generator=g, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(F.mse_loss(out.float(), torch.zeros(8, 4))).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            with torch.no_grad():
+                model.inner[2].weight.copy_(saved)
+    run = ampwatch.load(watch.path)
+    assert len(run.steps) == 7 and run.info["status"] == "finished"  # recording did not stop
+    notes = run.notices
+    assert notes["step"].tolist() == [2] and "checkpoint" in notes["message"].iloc[0].lower()
+    origins = run.events[run.events.origin & (run.events.phase == "forward")]
+    assert origins[["step", "module"]].values.tolist() == [[5, "inner.2"]]  # live from step 3 on

@@ -156,6 +156,7 @@ class Replayer:
         if self.broken or not self.batches:
             return False
         trainable = [p for p in params if p.requires_grad]
+        kept = [p.grad for p in trainable]  # nested backward passes (reentrant checkpointing) accumulate
         reproduced = unfaithful = False
         buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
         now = self._rng()
@@ -173,15 +174,21 @@ class Replayer:
                         # the loss went non-finite from outputs this forward made finite: not the same step
                         unfaithful = True
                     if pairs and trainable:
-                        grads = torch.autograd.grad([t for t, _ in pairs], trainable, [g for _, g in pairs],
+                        for p in trainable:
+                            p.grad = None
+                        leaves = _leaves([t for t, _ in pairs], trainable)
+                        grads = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
                                                     allow_unused=True)
-                        grads = [g for g in grads if g is not None]
+                        grads = [g for g in grads[:len(trainable)] if g is not None]
+                        grads += [p.grad for p in trainable if p.grad is not None]  # inside checkpoints
                         if grads and not reproduced:
                             reproduced = not _finite(grads)
-                        del grads
+                        del grads, leaves
                     del output, outputs, pairs
         finally:
             self.replaying = False
+            for p, grad in zip(trainable, kept):
+                p.grad = grad
             self._set_rng(now)
             with torch.no_grad():
                 for b, kept in buffers:
@@ -193,6 +200,28 @@ class Replayer:
             handle.remove()
         self._handles.clear()
         self.batches = []
+
+
+def _leaves(outputs: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` and then every other leaf the outputs' graph accumulates into (inputs that require
+    grad): ``autograd.grad`` runs only the nodes that lead to the tensors it is asked for, and a
+    training backward runs every node that leads to any leaf (a reentrant checkpoint's node leads to
+    its input only; the parameters inside it are reached by its own backward pass)."""
+    seen_nodes: set[Any] = set()
+    ids = {id(p) for p in params}
+    leaves = list(params)
+    stack = [t.grad_fn for t in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen_nodes:
+            continue
+        seen_nodes.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, torch.Tensor) and id(variable) not in ids:
+            ids.add(id(variable))
+            leaves.append(variable)
+        stack.extend(f for f, _ in node.next_functions)
+    return leaves
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:

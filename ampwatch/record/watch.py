@@ -318,9 +318,11 @@ class Watch:
         from outside the model's outputs) says so once, and modules are observed live from then on."""
         self._trigger.pause(True)
         self.observer.set_observing(True)
-        reproduced = False
+        reproduced, why = False, ("state the model keeps in Python, or a fault outside the model's outputs")
         try:
             reproduced = self.replayer.replay(self._params)
+        except Exception as exc:  # a model that cannot run again this way (reentrant checkpointing
+            why = f"{type(exc).__name__}: {exc}"  # refuses autograd.grad): observe it live instead
         finally:
             self._trigger.pause(False)
             if reproduced:
@@ -330,10 +332,9 @@ class Watch:
             self.replayer.remove()
             self.replayer = None
             self.writer.put_notice(self.step, "replay-not-reproduced",
-                                   "a replay of this skipped step did not reproduce it from the model's inputs "
-                                   "and output gradients (state the model keeps in Python, or a fault outside "
-                                   "the model's outputs), so it is not localized; module values are measured "
-                                   "on every step from now on")
+                                   f"a replay of this skipped step did not reproduce it from the model's inputs "
+                                   f"and output gradients ({why}), so it is not localized; module values are "
+                                   f"measured on every step from now on")
 
     def _fp32_check(self, skipped: bool) -> None:
         """The fp32 recompute of a forward origin (counterfactual.py), before weights change."""
