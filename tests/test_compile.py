@@ -13,16 +13,7 @@ from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 import ampwatch
-
-
-class Amplify(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 1e6
+from loops import Amplify
 
 
 class BackwardBomb(nn.Module):

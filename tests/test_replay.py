@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
+from loops import Amplify, amp_step
 
 EVENT_COLS = ["step", "phase", "module", "kind", "origin", "micro_batch", "amax", "dtype"]
 
@@ -20,16 +21,6 @@ EVENT_COLS = ["step", "phase", "module", "kind", "origin", "micro_batch", "amax"
 @pytest.fixture(autouse=True)
 def accelerator(monkeypatch):
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: no free reads
-
-
-class Amplify(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 1e6
 
 
 class Bomb(nn.Module):
@@ -178,12 +169,7 @@ def test_healthy_steps_between_detail_steps_run_no_module_hook(tmp_path):
                 x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
                 hooked.append(any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model))
                 with Count() as count:
-                    with torch.autocast("cpu", dtype=torch.float16):
-                        out = model(x)
-                    scaler.scale(F.mse_loss(out.float(), y)).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                    opt.zero_grad()
+                    amp_step(model, opt, scaler, x, y)
                 counts.append(count.ops)
         return counts, hooked
 
@@ -223,12 +209,7 @@ def test_a_step_the_replay_cannot_reproduce_says_so_and_later_steps_are_observed
             if step == 5:
                 with torch.no_grad():
                     model[1].weight.mul_(1e6)
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(x)
-            scaler.scale(F.mse_loss(out.float(), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            amp_step(model, opt, scaler, x, y)
             if step == 5:
                 with torch.no_grad():
                     model[1].weight.div_(1e6)
@@ -302,13 +283,7 @@ def test_a_model_that_cannot_be_replayed_is_observed_live_and_recording_goes_on(
             if step in (2, 5):
                 with torch.no_grad():
                     model.inner[2].weight.mul_(1e6)
-            x = torch.randn(8, 16, generator=g, requires_grad=True)
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(x)
-            scaler.scale(F.mse_loss(out.float(), torch.zeros(8, 4))).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            amp_step(model, opt, scaler, torch.randn(8, 16, generator=g, requires_grad=True), torch.zeros(8, 4))
             with torch.no_grad():
                 model.inner[2].weight.copy_(saved)
     run = ampwatch.load(watch.path)
