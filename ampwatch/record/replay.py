@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from .. import probes
+from ..backward import _outputs as backward_outputs
 from .observe import _add_grad_hook
 
 MAX_BATCHES = 1024  # root forwards kept per step, at most
@@ -61,14 +62,10 @@ class _MicroBatch:
 
 
 def _grad_outputs(output: Any) -> list[torch.Tensor]:
-    """The root's output tensors that carry gradient, distinct, in a fixed order."""
+    """The root's output tensors that carry gradient (as the backward-end trigger finds them),
+    each once, in a fixed order."""
     seen: set[int] = set()
-    out = []
-    for t in probes.nested_tensors(output):
-        if t.requires_grad and t.grad_fn is not None and id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    return [t for t in backward_outputs(output) if not (id(t) in seen or seen.add(id(t)))]
 
 
 def _internal(outputs: list[torch.Tensor]) -> set[int]:
