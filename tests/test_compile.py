@@ -212,3 +212,38 @@ def test_failure_inside_the_compiled_op_stops_recording_not_training(tmp_path, m
     assert len([w for w in caught if "stopped recording" in str(w.message)]) == 1
     assert breaks == {}
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+
+
+def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path):
+    """CUDA graphs (mode 'reduce-overhead'/'max-autotune') replay captured kernels without running
+    Python: ``ampwatch::observe`` would record once, at capture. Inductor's own check for ops it
+    must keep out of a CUDA graph flags every call of the op in the graphs AOTAutograd hands it,
+    forward and backward (the gradient hooks), and nothing else in them."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+    if getattr(torch.Tag, "cudagraph_unsafe", None) is None:
+        pytest.skip("torch without the cudagraph_unsafe tag: the op's body checks for a capture instead")
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"))
+    net = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = net(torch.randn(8, 16)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    watch.close()
+    assert len(graphs) == 2  # forward, backward
+    for gm in graphs:
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.ampwatch.observe.default]
+        unsafe = [n for n in gm.graph.nodes if n.op == "call_function" and is_cudagraph_unsafe_fx_node(n)]
+        assert calls and unsafe == calls

@@ -21,7 +21,9 @@ def _train(tmp_path, model, opt, steps, fault_step=None, compiled=False, layer_e
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=1000)
     g = torch.Generator(device="cuda").manual_seed(0)
     truth = []
-    net = torch.compile(model) if compiled else model
+    torch._dynamo.reset()
+    mode = compiled if isinstance(compiled, str) else "default"
+    net = torch.compile(model, mode=mode) if compiled else model
     with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"),
                         layer_every=layer_every) as watch:
         for step in range(steps):
@@ -64,10 +66,11 @@ def test_fused_adamw_on_cuda_skip_is_recorded(tmp_path):
 
 
 @pytest.mark.parametrize("layer_every", [1, 20], ids=["live", "replayed"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, True, "reduce-overhead"], ids=["eager", "compiled", "cudagraphs"])
 def test_real_fp16_overflow_on_cuda_is_localized(tmp_path, compiled, layer_every):
     """layer_every=1 observes every step live; at 20 steps 2 and 3 are replayed (record/replay.py),
-    with the CUDA RNG state put back."""
+    with the CUDA RNG state put back. With CUDA graphs ('reduce-overhead') the op must run on every
+    step, not only when the graph was captured: module rows on every live step, each step's own."""
     model = _net()
     run, _ = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=1e-2), 4, fault_step=2,
                     compiled=compiled, layer_every=layer_every)
@@ -78,3 +81,6 @@ def test_real_fp16_overflow_on_cuda_is_localized(tmp_path, compiled, layer_every
     assert set(origin["module"]) == {"2"} and list(origin["step"]) == [2, 3]
     assert origin["dtype"].iloc[0] == "float16" and origin["count"].isna().all()  # counts: not paid on CUDA
     assert run.steps.set_index("step").loc[2, "skipped"]
+    if layer_every == 1:
+        first = run.modules[(run.modules.module == "0") & (run.modules.phase == "forward")]
+        assert list(first["step"]) == [0, 1, 2, 3] and first["amax"].nunique() > 1  # not one capture's value

@@ -63,7 +63,15 @@ _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the
 
 
 _LIBRARY = torch.library.Library("ampwatch", "DEF")
-_LIBRARY.define("observe(Tensor[] xs, int buffer, int[] slots) -> ()")
+# CUDA graphs (torch.compile's "reduce-overhead" and "max-autotune" modes) replay the kernels they
+# captured without running Python: the op's body would run once, at capture, and later steps would
+# record nothing (its results left in the graph's memory pool). Tagged unsafe, inductor keeps the
+# op out of its CUDA graphs (it splits the graph around the op where graph partitioning is on, the
+# default in recent torch, and otherwise runs that graph without CUDA graphs); where torch has no
+# such tag, the body checks for a capture and stops observing modules with a warning.
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+_LIBRARY.define("observe(Tensor[] xs, int buffer, int[] slots) -> ()",
+                tags=(_CUDAGRAPH_UNSAFE,) if _CUDAGRAPH_UNSAFE is not None else ())
 
 
 def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
@@ -84,6 +92,10 @@ def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
     if not observer.observing:  # a step between layer_every steps that a replay localizes (replay.py)
         return
     try:
+        if _CUDAGRAPH_UNSAFE is None and xs and xs[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("module observation cannot run inside a CUDA graph capture (torch.compile "
+                               "mode 'reduce-overhead' or 'max-autotune' on torch without the cudagraph_unsafe "
+                               "tag): compile with mode='default', or upgrade torch")
         observer.reduce_traced(xs, slots)
     except Exception as exc:  # inside the user's compiled forward: recording must never take it down
         observer._failed(exc)
