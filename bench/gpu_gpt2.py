@@ -4,11 +4,14 @@ GPT-2 small (124M parameters, random weights from ``transformers.GPT2Config()``)
 tokens, fp16 autocast + ``torch.amp.GradScaler("cuda")``, AdamW, the README loop (unscale_, clip,
 step, update). Two copies of the same model: one watched, one not; timed in blocks interleaved
 A B B A ..., each block ``--steps`` steps between two ``torch.cuda.synchronize()``; reported: the
-median per-step time of each variant and the median of the paired block ratios.
+median per-step time of each variant and the median of the paired block ratios. A block is as
+long as ``layer_every`` by default, so each holds one live-observed step and the ratio is what a
+run pays on average (shorter blocks alternate between blocks with and without one).
 
     python bench/gpu_gpt2.py                      # eager, then compiled (inductor)
-    python bench/gpu_gpt2.py --modes eager --rounds 10 --steps 10
+    python bench/gpu_gpt2.py --modes eager --rounds 10
     python bench/gpu_gpt2.py --replay off     # every module observed on every step (no replay)
+    python bench/gpu_gpt2.py --modes reduce-overhead --replay on   # inductor with CUDA graphs
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch._dynamo
@@ -30,14 +34,14 @@ import ampwatch  # noqa: E402
 
 
 class Variant:
-    def __init__(self, base: torch.nn.Module, watched: bool, compiled: bool, x: torch.Tensor, folder: str,
+    def __init__(self, base: torch.nn.Module, watched: bool, compiled: Optional[str], x: torch.Tensor, folder: str,
                  layer_every: int = 20, replay: bool = True) -> None:
         self.model = copy.deepcopy(base)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.scaler = torch.amp.GradScaler("cuda")
         self.watch = ampwatch.attach(self.model, self.opt, self.scaler, path=f"{folder}/run.sqlite",
                                      layer_every=layer_every, replay=replay) if watched else None
-        self.net = torch.compile(self.model) if compiled else self.model
+        self.net = torch.compile(self.model, mode=compiled) if compiled else self.model
         self.x = x
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -66,7 +70,7 @@ class Variant:
         return (time.perf_counter() - t0) / steps * 1e3
 
 
-def measure(base: torch.nn.Module, x: torch.Tensor, compiled: bool, args: argparse.Namespace,
+def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], args: argparse.Namespace,
             layer_every: int, replay: bool = True) -> None:
     folder = tempfile.mkdtemp()
     plain = Variant(base, False, compiled, x, folder)
@@ -75,17 +79,18 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: bool, args: argpar
         for _ in range(args.warmup):
             v.step()
     ratios = []
+    steps = args.steps or layer_every
     for r in range(args.rounds):
         order = (plain, watched) if r % 2 == 0 else (watched, plain)
-        got = {id(v): v.block(args.steps) for v in order}
+        got = {id(v): v.block(steps) for v in order}
         plain.block_ms.append(got[id(plain)])
         watched.block_ms.append(got[id(watched)])
         ratios.append(got[id(watched)] / got[id(plain)])
-    mode = "torch.compile (inductor)" if compiled else "eager"
+    mode = f"torch.compile (inductor, mode {compiled})" if compiled else "eager"
     print(f"{mode}, layer_every={layer_every}, replay={replay}: without {statistics.median(plain.block_ms):.2f} ms/step, "
           f"with {statistics.median(watched.block_ms):.2f} ms/step, median paired ratio "
           f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}) over "
-          f"{args.rounds} rounds of {args.steps} steps; first step {plain.first_s:.1f} s vs "
+          f"{args.rounds} rounds of {steps} steps; first step {plain.first_s:.1f} s vs "
           f"{watched.first_s:.1f} s", flush=True)
     if watched.watch is not None:
         watched.watch.close()
@@ -103,9 +108,10 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: bool, args: argpar
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="eager,compile")
+    parser.add_argument("--modes", default="eager,compile",
+                        help="eager, compile (inductor, mode default), reduce-overhead or max-autotune")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    parser.add_argument("--steps", type=int, default=0, help="steps per timed block (default: layer_every)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
@@ -127,7 +133,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         for le in (int(v) for v in args.layer_every.split(",")):
             for replay in args.replay.split(","):
-                measure(base, x, mode == "compile", args, le, replay == "on")
+                compiled = None if mode == "eager" else "default" if mode == "compile" else mode
+                measure(base, x, compiled, args, le, replay == "on")
 
 
 if __name__ == "__main__":
