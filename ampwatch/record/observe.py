@@ -70,11 +70,8 @@ _LIBRARY = torch.library.Library("ampwatch", "DEF")
 # default in recent torch, and otherwise runs that graph without CUDA graphs); where torch has no
 # such tag, the body checks for a capture and stops observing modules with a warning.
 _CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
-_TAGS = (_CUDAGRAPH_UNSAFE,) if _CUDAGRAPH_UNSAFE is not None else ()
-_LIBRARY.define("observe(Tensor[] xs, int buffer, int[] slots) -> ()", tags=_TAGS)
-# one gradient (a tensor hook's): a third less per call than the list form (no list boxed either
-# way), on ~300 calls a step of GPT-2 small's compiled backward
-_LIBRARY.define("observe_one(Tensor x, int buffer, int slot) -> ()", tags=_TAGS)
+_LIBRARY.define("observe(Tensor[] xs, int buffer, int[] slots) -> ()",
+                tags=(_CUDAGRAPH_UNSAFE,) if _CUDAGRAPH_UNSAFE is not None else ())
 
 
 def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
@@ -104,28 +101,11 @@ def observe(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
         observer._failed(exc)
 
 
-def observe_one(x: torch.Tensor, buffer: int, slot: int) -> None:
-    """``ampwatch::observe_one``: :func:`observe` for one tensor (a gradient, in compiled backward)."""
-    observer = _OBSERVERS.get(buffer)
-    if observer is None or not observer.active:
-        return
-    if observer.observing:
-        observe([x], buffer, [slot])
-    else:
-        observer.traced = True
-
-
 _LIBRARY.impl("observe", observe, "CompositeExplicitAutograd")
-_LIBRARY.impl("observe_one", observe_one, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("ampwatch::observe")
 def _observe_fake(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None:
-    return None
-
-
-@torch.library.register_fake("ampwatch::observe_one")
-def _observe_one_fake(x: torch.Tensor, buffer: int, slot: int) -> None:
     return None
 
 
@@ -147,7 +127,6 @@ def _keep_in_graphs(op: Any) -> None:
 
 
 _keep_in_graphs(torch.ops.ampwatch.observe.default)
-_keep_in_graphs(torch.ops.ampwatch.observe_one.default)
 
 
 # Bound once (a Python frame less per hook call); Dynamo knows the function and folds it to True.
@@ -614,7 +593,7 @@ class ModuleObserver:
         # raise or return a tensor
         if self.active and grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
             if _compiling():  # a compiled backward (Dynamo traced the tensor hook)
-                torch.ops.ampwatch.observe_one(grad.detach(), self._id, slot)
+                torch.ops.ampwatch.observe([grad.detach()], self._id, [slot])
                 return
             try:
                 self._write(grad, slot)
