@@ -321,6 +321,8 @@ class Watch:
         reproduced, why = False, ("state the model keeps in Python, or a fault outside the model's outputs")
         try:
             reproduced = self.replayer.replay(self._params)
+        except replay.NotReplayable as exc:
+            why = str(exc)
         except Exception as exc:  # a model that cannot run again this way (reentrant checkpointing
             why = f"{type(exc).__name__}: {exc}"  # refuses autograd.grad): observe it live instead
         finally:
