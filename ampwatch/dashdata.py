@@ -301,14 +301,28 @@ def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame, column: str = "mod
     return df
 
 
+_EVENT_EXTRA = ("fp32_amax", "micro_batch", "flows_into")  # newer columns: older runs lack them
+
+
+def _event_columns(conn: sqlite3.Connection) -> str:
+    have = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
+    return "".join(f", {c}" for c in _EVENT_EXTRA if c in have)
+
+
 @reads
 def events(path: Any) -> pd.DataFrame:
-    """NaN/Inf events, origin first within each step (the module where it was born)."""
+    """NaN/Inf events, origin first within each step (the module where it was born).
+
+    ``warmup`` is True for gradient overflow during the scaler's warm-up (:func:`warmup_end`):
+    expected, the scaler backing off from its initial scale (the runs table does not count them).
+    """
     with open_run(path) as conn:
-        df = _df(conn, "SELECT step, origin, module, phase, kind, count, amax, dtype FROM events "
-                       "ORDER BY step, origin DESC, id")
+        df = _df(conn, f"SELECT step, origin, module, phase, kind, count, amax, dtype{_event_columns(conn)}"
+                       " FROM events ORDER BY step, origin DESC, id")
         df = _with_aliases(conn, df)
+        warm = warmup_end(conn)
     df["origin"] = df["origin"].astype(bool)
+    df["warmup"] = (df["step"] < warm) & ~df["phase"].isin(["forward", "loss"])
     return df
 
 
@@ -328,11 +342,13 @@ def step_detail(path: Any, step: int) -> dict[str, Any]:
         modules = _df(conn, "SELECT t.name AS module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END"
                             " AS phase, m.amax, m.nonfinite FROM modules m JOIN tensors t ON t.id = m.module_id"
                             " WHERE m.step = ? ORDER BY m.module_id, m.phase", (int(step),))
-        ev = _df(conn, "SELECT origin, module, phase, kind, count, amax, dtype FROM events WHERE step = ?"
-                       " ORDER BY origin DESC, id", (int(step),))
+        ev = _df(conn, f"SELECT origin, module, phase, kind, count, amax, dtype{_event_columns(conn)} FROM events"
+                       " WHERE step = ? ORDER BY origin DESC, id", (int(step),))
+        ev["origin"] = ev["origin"].astype(bool)
         ev = _with_aliases(conn, ev)
         metrics = _df(conn, "SELECT key, value FROM metrics WHERE step = ? ORDER BY key", (int(step),))
         near = conn.execute("SELECT MAX(step) FROM layers WHERE step <= ?", (int(step),)).fetchone()[0]
+    row["time"] = pd.to_datetime(row["time"], unit="s", errors="coerce")  # UTC, not raw epoch seconds
     return {"step": row, "layers": layers.drop(columns=["nan_mask"]), "modules": modules, "events": ev,
             "metrics": metrics, "layer_step_at_or_before": near}
 

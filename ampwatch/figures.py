@@ -17,7 +17,16 @@ LOSS_COLOR, SCALE_COLOR, NORM_COLOR, LR_COLOR = "#1f77b4", "#9467bd", "#ff7f0e",
 SKIP_COLOR = "#d62728"
 GROWTH_COLOR = "#2ca02c"
 NONFINITE_COLOR = "#000000"
+DTYPE_MAX_F16 = 65504.0
 OVERVIEW_ROWS = ("loss", "loss scale", "grad norm", "learning rate")
+# Plotly labels a short log axis's minor ticks with a bare digit ("5" for 0.5): a tickformat makes
+# every label the full number (0.5, 0.2, 20, 1e+5).
+LOG_AXIS = {"type": "log", "tickformat": ".3~g"}
+
+
+def nonfinite_what(metric: str) -> str:
+    """What a red heatmap cell means: a non-finite weight on param_norm, else a non-finite gradient."""
+    return "weight" if metric == "param_norm" else "gradient"
 
 
 def _log2_ticks(values: pd.Series) -> dict[str, Any]:
@@ -40,12 +49,14 @@ def _marker_y(steps: pd.DataFrame, col: str, at: np.ndarray, log: bool) -> np.nd
     return np.where(ok, values, floor)
 
 
-def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Figure:
+def overview_figure(ov: Any, log_loss: bool = True, height: int = 760, uirevision: Optional[str] = None
+                    ) -> go.Figure:
     """Loss, loss scale (log2), grad norm (log) and lr on one shared step axis.
 
     Skipped steps are red crosses on the loss; non-finite steps black diamonds; scale backoffs and
     growths are red/green triangles; the clip threshold (as seen in the ``clip_grad_norm_`` call,
-    else from the config) a dashed line.
+    else from the config) a dashed line. ``uirevision`` (default: the range's first step) is what
+    Plotly compares to keep the user's zoom: a live page passes one constant per run.
     """
     s = ov.steps
     fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
@@ -72,16 +83,34 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760) -> go.Fig
     # an explicit range: Plotly pads a constant series by +-1, which flattens lr = 3e-4 onto zero
     lr_range = [0, 1.15 * float(lr_max)] if lr_max is not None and np.isfinite(lr_max) and lr_max > 0 else None
     fig.update_yaxes(rangemode="tozero", exponentformat="e", range=lr_range, row=4, col=1)
-    fig.update_yaxes(type="log" if log_loss else "linear", row=1, col=1)
+    fig.update_yaxes(**(LOG_AXIS if log_loss else {"type": "linear"}), row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(s["loss_scale"]))
-    fig.update_yaxes(type="log", row=3, col=1)
+    fig.update_yaxes(**LOG_AXIS, row=3, col=1)
     fig.update_xaxes(title_text="step", row=4, col=1)
-    fig.update_layout(height=height, hovermode="x unified", uirevision=str(getattr(ov, "first", "")),
+    if uirevision is None:
+        uirevision = str(getattr(ov, "first", ""))
+    fig.update_layout(height=height, hovermode="x unified", uirevision=uirevision,
                       margin={"l": 60, "r": 20, "t": 40, "b": 40}, legend={"orientation": "h", "y": -0.08})
     return fig
 
 
+def scale_note(s: pd.DataFrame) -> Optional[str]:
+    """Why the loss-scale panel is empty or has gaps (a log axis cannot draw 0), or None."""
+    scale = pd.to_numeric(s["loss_scale"], errors="coerce")
+    if not scale.notna().any():
+        return "no loss scale recorded: no GradScaler (bf16 / fp32 runs need none)"
+    zero = s["step"][scale <= 0]
+    if len(zero):
+        return (f"scale 0 at {len(zero):,} step(s) ({int(zero.iloc[0])}–{int(zero.iloc[-1])}): "
+                "not drawable on a log axis, a gap")
+    return None
+
+
 def _scale_traces(fig: go.Figure, s: pd.DataFrame, changes: pd.DataFrame) -> None:
+    note = scale_note(s)
+    if note:  # said in the panel itself, so an empty or broken line is never silent
+        fig.add_annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5, showarrow=False,
+                           font={"color": "#7f7f7f"}, bgcolor="rgba(255,255,255,0.8)")
     if s["loss_scale"].notna().any():
         fig.add_trace(go.Scatter(x=s["step"], y=s["loss_scale"], name="loss scale", mode="lines",
                                  line={"shape": "hv", "width": 1.5, "color": SCALE_COLOR}), 2, 1)
@@ -103,11 +132,12 @@ def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = No
     names = grid.labels  # a tied parameter shows all its names
     fig = go.Figure(go.Heatmap(z=z, x=grid.bucket_starts, y=names, colorscale="Viridis",
                                colorbar={"title": label}, hovertemplate=hover, hoverongaps=False))
+    what = nonfinite_what(grid.metric)
     if grid.nonfinite.any():  # a second, single-colour layer: NaN/inf cells stand out in red
         fig.add_trace(go.Heatmap(z=np.where(grid.nonfinite, 1.0, np.nan), x=grid.bucket_starts, y=names,
                                  colorscale=[[0, SKIP_COLOR], [1, SKIP_COLOR]], showscale=False, showlegend=True,
-                                 name=f"NaN/inf gradient ({int(grid.nonfinite.sum())} cells)", hoverongaps=False,
-                                 hovertemplate="step %{x}<br>%{y}<br>NaN/inf gradient<extra></extra>"))
+                                 name=f"NaN/inf {what} ({int(grid.nonfinite.sum())} cells)", hoverongaps=False,
+                                 hovertemplate="step %{x}<br>%{y}<br>NaN/inf " + what + "<extra></extra>"))
     n = len(grid.names)
     fig.update_layout(height=height or min(2400, max(320, 18 * n + 120)), xaxis_title="step",
                       yaxis={"autorange": "reversed", "type": "category", "dtick": 1 if n <= 80 else None},
@@ -116,27 +146,50 @@ def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = No
     return fig
 
 
+PHASE_COLOR = {"forward": "#1f77b4", "backward": "#9467bd"}
+
+
 def headroom_figure(df: pd.DataFrame, warn_factor: float = 4.0) -> go.Figure:
     """Max |value| per module and phase against the dtype limit (log x); modules within
-    ``warn_factor`` of the limit are red."""
+    ``warn_factor`` of the limit are red. An overflowed module (amax inf/NaN: a log axis cannot draw
+    it) is a hatched red bar drawn past the limit, labelled inf/NaN. The legend's swatches are their
+    own entries, so a phase's colour is never taken from a red bar."""
     fig = go.Figure()
-    for phase, dash in (("forward", None), ("backward", None)):
+    limit = float(df["limit"].iloc[0]) if len(df) else DTYPE_MAX_F16
+    past = 2.0 * limit  # where an overflowed bar ends: visibly beyond the dashed limit
+    for phase in ("forward", "backward"):
         d = df[df["phase"] == phase]
         if d.empty:
             continue
-        colors = np.where(d["headroom"] <= warn_factor, SKIP_COLOR, "#1f77b4" if phase == "forward" else "#9467bd")
-        fig.add_trace(go.Bar(x=d["amax"], y=d["module"], orientation="h", name=f"{phase} max |value|",
-                             marker={"color": colors}, customdata=d["headroom"],
-                             hovertemplate="%{y}<br>max |value| %{x:.3g}<br>headroom x%{customdata:.3g}"
+        amax = d["amax"].to_numpy(dtype=float)
+        bad = ~np.isfinite(amax)
+        colors = np.where(bad | (d["headroom"] <= warn_factor), SKIP_COLOR, PHASE_COLOR[phase])
+        shown = ["inf" if np.isposinf(v) else "NaN" if np.isnan(v) else f"{v:.3g}" for v in amax]
+        fig.add_trace(go.Bar(x=np.where(bad, past, amax), y=d["module"], orientation="h", showlegend=False,
+                             name=f"{phase} max |value|", offsetgroup=phase, customdata=np.c_[d["headroom"], shown],
+                             marker={"color": colors, "pattern": {"shape": np.where(bad, "x", "").tolist()}},
+                             text=np.where(bad, shown, ""), textposition="outside",
+                             hovertemplate="%{y}<br>max |value| %{customdata[1]}<br>headroom x%{customdata[0]:.3g}"
                                            "<extra>" + phase + "</extra>"))
+        fig.add_trace(go.Bar(x=[None], y=[None], name=f"{phase} max |value|", offsetgroup=phase,
+                             marker={"color": PHASE_COLOR[phase]}, hoverinfo="skip"))
     if len(df):
-        limit = float(df["limit"].iloc[0])
-        fig.add_vline(x=limit, line={"dash": "dash", "color": SKIP_COLOR},
-                      annotation_text=f"dtype max {limit:.6g}", annotation_position="top")
-    fig.update_layout(barmode="group", xaxis={"type": "log", "title": "max |value| (backward: scaled grad)"},
+        if (df["headroom"] <= warn_factor).any() or (~np.isfinite(df["amax"].astype(float))).any():
+            fig.add_trace(go.Bar(x=[None], y=[None], name=f"within {warn_factor:g}x of the limit", offsetgroup="forward",
+                                 marker={"color": SKIP_COLOR}, hoverinfo="skip"))
+        if (~np.isfinite(df["amax"].astype(float))).any():
+            fig.add_trace(go.Bar(x=[None], y=[None], name="overflowed (inf/NaN), drawn past the limit",
+                                 offsetgroup="forward", marker={"color": SKIP_COLOR, "pattern": {"shape": "x"}},
+                                 hoverinfo="skip"))
+        fig.add_vline(x=limit, line={"dash": "dash", "color": SKIP_COLOR})
+        # a paper-anchored label above the plot: a vline annotation on a log axis is placed in data units
+        fig.add_annotation(x=math.log10(limit), xref="x", y=1.0, yref="paper", yanchor="bottom",
+                           text=f"dtype max {limit:.6g}", showarrow=False, font={"color": SKIP_COLOR})
+    fig.update_layout(barmode="group", xaxis={**LOG_AXIS, "title": "max |value| (backward: scaled grad)"},
                       yaxis={"autorange": "reversed", "type": "category"},
-                      height=max(320, 16 * df["module"].nunique() + 120) if len(df) else 320,
-                      margin={"l": 160, "r": 20, "t": 30, "b": 40}, legend={"orientation": "h", "y": 1.05})
+                      height=max(360, 16 * df["module"].nunique() + 160) if len(df) else 360,
+                      margin={"l": 160, "r": 40, "t": 80, "b": 40},
+                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "xanchor": "left"})
     return fig
 
 
@@ -173,9 +226,9 @@ def compare_figure(runs: Mapping[str, Any], skip_rates: Mapping[str, pd.DataFram
             fig.add_trace(go.Scatter(x=rate["step"], y=rate["rate"], name=name, legendgroup=name, showlegend=False,
                                      mode="lines", line={"color": color, "shape": "hv"}), 4, 1)
     all_scales = pd.concat([ov.steps["loss_scale"] for ov in runs.values()]) if runs else pd.Series(dtype=float)
-    fig.update_yaxes(type="log" if log_loss else "linear", row=1, col=1)
+    fig.update_yaxes(**(LOG_AXIS if log_loss else {"type": "linear"}), row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(all_scales))
-    fig.update_yaxes(type="log", row=3, col=1)
+    fig.update_yaxes(**LOG_AXIS, row=3, col=1)
     fig.update_yaxes(range=[0, 1], row=4, col=1)
     fig.update_xaxes(title_text="step", row=4, col=1)
     fig.update_layout(height=820, hovermode="x unified", uirevision="compare",

@@ -78,6 +78,8 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
     One small GROUP BY per primary-key range (no sort of the whole table). In columns holding a
     step whose total grad norm is NaN/inf (found in ``steps``), a non-finite gradient folds in as
     +inf so the max keeps it and the cell is marked; other columns take the plain, cheaper MAX.
+    For ``param_norm`` the marked cells are the non-finite weights only, so a finite jump of a
+    weight's norm at the step its gradients overflow stays visible.
     """
     if metric not in LAYER_METRICS:
         raise ValueError(f"metric must be one of {LAYER_METRICS}, not {metric!r}")
@@ -86,6 +88,9 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
     value = "grad_norm" if metric == "grad_norm" else f"CASE WHEN abs(grad_norm) > {_INF} THEN 9e999 ELSE {metric} END"
     flagged = (f"SELECT ?, param_id, MAX(CASE WHEN nan_mask & {LAYER_NAN_BITS['grad_norm']} OR grad_nonfinite > 0"
                f" THEN 9e999 ELSE {value} END)" + where)
+    if metric == "param_norm":  # the weights' own figure: a NaN/inf gradient must not hide a finite jump
+        flagged = f"SELECT ?, param_id, MAX(CASE WHEN nan_mask & {LAYER_NAN_BITS['param_norm']} THEN 9e999" \
+                  " ELSE param_norm END)" + where
     with open_run(path) as conn:
         names = _param_names(conn)
         start, end = _layer_span(conn, start, end)

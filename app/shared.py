@@ -21,6 +21,9 @@ from ampwatch.reader import RUN_SUFFIXES
 
 AUTO_DOCTOR_STEPS = 1_000_000  # ~5 s of doctor at 1M steps (bench/doctor.py); bigger runs ask first
 SEVERITY_ICON = {"error": ":material/error:", "warning": ":material/warning:", "info": ":material/info:"}
+SEVERITY_BADGE = {"error": ":red-badge[:material/error: ERROR]", "warning": ":orange-badge[:material/warning: WARNING]",
+                  "info": ":blue-badge[:material/info: INFO]"}
+
 
 
 # -- folder and run choice --------------------------------------------------------------------------
@@ -64,23 +67,49 @@ def folder_stamp(folder: Path) -> tuple:
 
 
 def sidebar() -> tuple[Optional[Path], Optional[Path]]:
-    """Render the folder and run pickers; returns (folder, run path) — either may be None."""
+    """Render the folder and run pickers; returns (folder, run path) — either may be None.
+
+    A run file typed as the folder opens its folder with that run chosen. A ``?run=`` name that is
+    not in the folder chooses nothing (the page says so) and the URL keeps it. The default run is
+    the first one that can be read."""
     st.sidebar.text_input("Runs folder", value=default_folder(), key="folder",
                           help="A folder of .sqlite run files. Default: $AMPWATCH_RUNS, else sample_runs/.")
     folder = Path(st.session_state["folder"]).expanduser()
+    st.session_state["_missing"] = None
+    wanted = st.query_params.get("run")
+    if folder.is_file() and folder.suffix in RUN_SUFFIXES:
+        st.sidebar.caption(f"`{folder.name}` is a run file: showing its folder.")
+        if st.session_state.get("_file_folder") != str(folder):  # once per typed path, then the picker rules
+            st.session_state["_file_folder"], st.session_state["run"] = str(folder), folder.name
+        folder = folder.parent
     if not folder.is_dir():
         return None, None
     names = [f.name for f in sorted(folder.iterdir()) if safe_run_path(folder, f.name) is not None]
     if not names:
         return folder, None
-    wanted = st.query_params.get("run")
     if st.session_state.get("run") not in names:
-        st.session_state["run"] = wanted if wanted in names else names[0]
-    st.sidebar.selectbox("Run", names, key="run", on_change=_run_to_url)
+        if wanted and wanted not in names:
+            st.session_state["_missing"] = wanted
+            st.session_state["run"] = None
+        else:
+            st.session_state["run"] = wanted if wanted in names else _first_readable(folder, names)
+    st.sidebar.selectbox("Run", names, key="run", on_change=_run_to_url, placeholder="Pick a run")
     path = safe_run_path(folder, st.session_state["run"])
     if path is not None and st.query_params.get("run") != path.name:
         st.query_params["run"] = path.name
     return folder, path
+
+
+def _first_readable(folder: Path, names: list[str]) -> str:
+    """The first run that opens (an unreadable first file must not be what a folder opens on)."""
+    for name in names:
+        path = folder / name
+        try:
+            run_row(str(path), stamp(path))
+            return name
+        except Exception:  # any unreadable file: try the next; the Runs page lists why
+            continue
+    return names[0]
 
 
 def open_run(name: str) -> None:
@@ -90,21 +119,38 @@ def open_run(name: str) -> None:
 
 
 def _run_to_url() -> None:
-    st.query_params["run"] = st.session_state["run"]
+    if st.session_state["run"]:
+        st.query_params["run"] = st.session_state["run"]
 
 
 def require_run() -> Optional[Path]:
     """The chosen run's path, or a clear message in the page (and None)."""
     folder, path = st.session_state.get("_folder"), st.session_state.get("_run")
     if folder is None:
-        st.error(f"Runs folder {st.session_state.get('folder', default_folder())!r} does not exist. "
-                 "Type an existing folder of .sqlite runs in the sidebar (or set AMPWATCH_RUNS).")
+        typed = st.session_state.get("folder", default_folder())
+        if Path(typed).expanduser().is_file():
+            st.error(f"{typed!r} is a file, not a folder: type the folder that holds the .sqlite runs.")
+        else:
+            st.error(f"Runs folder {typed!r} does not exist. "
+                     "Type an existing folder of .sqlite runs in the sidebar (or set AMPWATCH_RUNS).")
+        return None
+    missing = st.session_state.get("_missing")
+    if path is None and missing:
+        st.error(f"Run {missing!r} is not in {str(folder)!r}: pick a run in the sidebar.")
         return None
     if path is None:
         st.info(f"No runs in {str(folder)!r} yet. Record one with `ampwatch.attach(..., path='{folder}/x.sqlite')` "
                 "or run `ampwatch demo`.")
         return None
     return path
+
+
+def has_run_files(folder: Path) -> bool:
+    """Any run file in ``folder``, readable or not (unreadable ones are listed on the Runs page)."""
+    try:
+        return any(f.suffix in RUN_SUFFIXES for f in folder.iterdir())
+    except OSError:
+        return False
 
 
 def page_run() -> tuple[Path, tuple, dict]:
@@ -122,7 +168,7 @@ def page_run() -> tuple[Path, tuple, dict]:
 def page_runs() -> tuple[Path, pd.DataFrame, list]:
     """The runs folder, its runs table and its unreadable files; stops the page (after a message) without."""
     folder = st.session_state.get("_folder")
-    if folder is None:
+    if folder is None or not has_run_files(folder):  # the same message every page gives
         require_run()
         st.stop()
     table = guarded(runs_table, str(folder), folder_stamp(folder))
@@ -168,8 +214,12 @@ def step_range(path: Path, first: int, last: int) -> tuple[int, int]:
     """The sidebar's step-range slider for this run (whole run by default); returns (start, end)."""
     if last <= first:
         return first, last
-    src, widget = f"_range:{path.name}", f"range:{path.name}"
+    src, widget, seen = f"_range:{path.name}", f"range:{path.name}", f"_last:{path.name}"
     lo, hi = st.session_state.get(src, (first, last))
+    # A range that ended at the run's last step follows a growing run's end; a narrowed one stays.
+    if int(hi) >= int(st.session_state.get(seen, last)):
+        hi = last
+    st.session_state[seen] = last
     lo, hi = max(first, min(int(lo), last)), max(first, min(int(hi), last))
     st.session_state[src] = st.session_state[widget] = (min(lo, hi), max(lo, hi))
     st.sidebar.slider("Steps", first, last, key=widget, on_change=_keep, args=(src, widget),
@@ -275,6 +325,16 @@ def findings(path: str, key: tuple) -> list[dict]:
     return [f.to_dict() if hasattr(f, "to_dict") else dict(vars(f)) for f in found]
 
 
+def doctor_findings(path: Path, key: tuple) -> list[dict]:
+    """The doctor's findings when it has run or may run by itself (small runs); [] otherwise."""
+    row = guarded(run_row, str(path), key, path=path)
+    if row is None:
+        return []
+    if row["steps"] <= AUTO_DOCTOR_STEPS or st.session_state.get(f"doctor:{path.name}"):
+        return guarded(findings, str(path), key, path=path) or []
+    return []
+
+
 def show_step(path: Path, key: tuple, step: int) -> None:
     """Every recorded figure at ``step``: the step row, events, layers, modules, metrics (sortable)."""
     detail = guarded(step_detail, str(path), key, step, path=path)
@@ -287,7 +347,9 @@ def show_step(path: Path, key: tuple, step: int) -> None:
     st.dataframe(detail["step"], hide_index=True, key="step_row")
     if len(detail["events"]):
         st.markdown("**NaN/Inf events** (origin first)")
-        st.dataframe(detail["events"], hide_index=True, key="step_events")
+        ev = detail["events"]
+        st.dataframe(readable(ev, {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in ev else {})}), hide_index=True,
+                     key="step_events")
     if detail["layers"].empty:
         near = detail["layer_step_at_or_before"]
         st.info(f"No per-layer rows at step {step}: they are written every `layer_every` steps and on skipped "

@@ -5,7 +5,8 @@ import streamlit as st
 
 import shared
 
-st.set_page_config(page_title="ampwatch", page_icon=":material/monitoring:", layout="wide")
+# An emoji favicon: a :material/ one is fetched from fonts.gstatic.com on every load (the app stays local).
+st.set_page_config(page_title="ampwatch", page_icon="📈", layout="wide")
 
 PAGES = Path(__file__).resolve().parent / "app_pages"
 pages = [

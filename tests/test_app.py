@@ -108,9 +108,15 @@ def test_overview_numbers_and_chart_equal_sqlite(run):
     t = _sql(SAMPLES / run, "SELECT step, loss, loss_scale, skipped FROM steps ORDER BY step")
     assert _metric(at, "steps") == f"{len(t):,}"
     k = int(t["skipped"].sum())
-    assert _metric(at, "skipped") == f"{k:,} ({100 * k / len(t):.1f}%)"
+    assert _metric(at, f"skipped ({100 * k / len(t):.1f}%)") == f"{k:,}"
     scale = t["loss_scale"].iloc[-1]
-    assert _metric(at, "final loss scale") == ("–" if pd.isna(scale) else f"{scale:g}")
+    shown = _metric(at, "final loss scale")
+    if pd.isna(scale):
+        assert shown == "–"
+    elif shown.startswith("2^"):  # tiny or huge powers of two, short enough for the headline
+        assert 2.0 ** int(shown[2:]) == scale and not 1 <= scale < 1e7
+    else:
+        assert shown == f"{scale:g}" and len(shown) <= 9
     fig = _figure(at)
     assert _values(_trace(fig, "loss").x) == t["step"].tolist()  # a short run is drawn step by step
     skipped = [t_ for t_ in fig.data if (t_.name or "").startswith("skipped step")]
@@ -282,10 +288,12 @@ def test_names_from_the_url_cannot_escape_the_folder(tmp_path):
     folder.mkdir()
     shutil.copy(SAMPLES / "diverged.sqlite", folder / "diverged.sqlite")
     (folder / "link.sqlite").symlink_to(outside)
-    for name in ("../secret.sqlite", str(outside), "link.sqlite"):
+    for name in ("../secret.sqlite", str(outside), "link.sqlite", "nope.sqlite"):
         at = _open(folder, "overview", name)
         _no_failure(at)
-        assert at.title[0].value == "diverged"
+        assert not at.title and [e.value for e in at.error] == [f"Run {name!r} is not in {str(folder)!r}: "
+                                                                "pick a run in the sidebar."]
+        assert at.query_params["run"] == name  # the URL is not rewritten to another run
     spec = importlib.util.spec_from_file_location("app_shared", ROOT / "app" / "shared.py")
     shared = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(shared)
@@ -294,13 +302,30 @@ def test_names_from_the_url_cannot_escape_the_folder(tmp_path):
         assert shared.safe_run_path(folder, name) is None, name
 
 
-def test_events_page_first_is_the_first_event_warmup_included():
+def _warmup_end(run: Path) -> int:
+    """First clean step (the scaler's warm-up is the leading skipped steps), from SQLite directly."""
+    return int(_sql(run, "SELECT MIN(step) s FROM steps WHERE skipped = 0")["s"].iloc[0])
+
+
+def test_events_lead_with_the_root_cause_and_label_the_warmup():
     run = "overflow_storm.sqlite"  # init_scale 2**24: gradient overflow events from step 0
-    truth = _sql(SAMPLES / run, "SELECT step, module FROM events ORDER BY step, origin DESC, id")
+    warm = _warmup_end(SAMPLES / run)
+    truth = _sql(SAMPLES / run, "SELECT step, module, phase FROM events ORDER BY step, origin DESC, id")
+    origin = next(f for f in ampwatch.diagnose(str(SAMPLES / run)) if f.id == "nonfinite-origin")
     at = _open(SAMPLES, "events", run)
-    first = truth.iloc[0]
-    assert at.warning[0].value.startswith(f"First event: **{first['module']}**")
-    assert f"at step {first['step']};" in at.warning[0].value or at.warning[0].value.endswith(f"at step {first['step']}")
+    text = at.warning[0].value
+    assert text.startswith(f"Root cause (doctor): **{origin.title}**") and "h.0.mlp.fc" in origin.title
+    after = truth[(truth["step"] >= warm) | truth["phase"].isin(["forward", "loss"])].iloc[0]
+    assert f"warm-up: **{after['module']}** ({after['phase']}" in text and f"at step {after['step']}" in text
+    n_warm = int(((truth["step"] < warm) & ~truth["phase"].isin(["forward", "loss"])).sum())
+    assert n_warm > 0 and f"{n_warm:,} gradient-overflow event(s) at steps 0–{warm - 1}" in text
+    shown = at.dataframe(key="events_table").value
+    assert int(shown["warmup"].sum()) == n_warm
+    nan_amax = _sql(SAMPLES / run, "SELECT COUNT(*) n FROM events WHERE amax IS NULL")["n"].iloc[0]
+    assert "None" not in set(shown["amax"]) and (shown["amax"] == "NaN").sum() == nan_amax
+    assert {"fp32_amax", "micro_batch", "flows_into"} <= set(shown.columns)
+    healthy = _open(SAMPLES, "events", "healthy_fp16.sqlite")  # the doctor: ok -> no yellow box
+    assert not healthy.warning and "expected" in healthy.info[0].value
 
 
 def test_runs_page_has_a_health_column():
@@ -311,3 +336,79 @@ def test_runs_page_has_a_health_column():
         serious = [f for f in findings if f.severity != "info"]
         want = "ok" if not serious else f"{serious[0].severity}: {serious[0].title}"
         assert shown.loc[path.stem, "health"] == want
+
+
+def test_step_range_follows_a_growing_run_unless_narrowed(tmp_path):
+    path = _make_run(tmp_path / "grow.sqlite", [1.0] * 10, status="running")
+    at = _open(tmp_path, "overview", path.name)
+    slider = f"range:{path.name}"
+    assert at.sidebar.slider(key=slider).value == (0, 9)
+    _append(path, 10, [0.9] * 8)
+    at.run()
+    assert _metric(at, "steps") == "18" and at.sidebar.slider(key=slider).value == (0, 17)
+    assert _values(_trace(_figure(at), "loss").x)[-1] == 17
+    at.switch_page("app_pages/layers.py").run()  # the same range on every page
+    assert at.sidebar.slider(key=slider).value == (0, 17)
+    at.sidebar.slider(key=slider).set_value((2, 12)).run()  # narrowed by the user: it stays
+    _append(path, 18, [0.8] * 5)
+    at.switch_page("app_pages/overview.py").run()
+    assert _metric(at, "steps") == "23" and at.sidebar.slider(key=slider).value == (2, 12)
+
+
+def test_live_page_keeps_zoom_and_stops_when_the_run_ends(tmp_path):
+    path = _make_run(tmp_path / "live.sqlite", [1.0, 0.9, 0.8], status="running")
+    at = _open(tmp_path, "live", path.name)
+    rev = _figure(at).layout.uirevision
+    _append(path, 3, [0.7, 0.6])
+    at.run()
+    assert _figure(at).layout.uirevision == rev == f"live:{path.name}"  # constant: Plotly keeps the zoom
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("UPDATE run SET status = 'finished'")
+    conn.close()
+    at.run()
+    _no_failure(at)
+    captions = " ".join(c.value for c in at.caption)
+    assert "redrawing" not in captions and "ended (finished)" in captions
+    assert _metric(at, "status") == "finished"
+
+
+def test_findings_show_their_severity_and_only_causes_are_root_causes():
+    at = _open(SAMPLES, "overview", "overflow_storm.sqlite")
+    found = ampwatch.diagnose(str(SAMPLES / "overflow_storm.sqlite"))
+    cards = [m.value for m in at.markdown if "**" in m.value and "· steps" in m.value]
+    shown = [f for f in found if f.cause is None]
+    assert len(cards) == len(shown)
+    for f, card in zip(shown, cards):
+        assert f"{f.severity.upper()}]" in card and f.title in card  # a coloured ERROR/WARNING/INFO badge
+    assert at.subheader[0].value == "Root causes"
+    healthy = _open(SAMPLES, "overview", "healthy_fp16.sqlite")  # only "nothing to fix" notes
+    assert all(f.severity == "info" for f in ampwatch.diagnose(str(SAMPLES / "healthy_fp16.sqlite")))
+    assert healthy.subheader[0].value == "Notes from the doctor (nothing to fix)"
+
+
+def test_folder_and_run_choice_say_what_is_wrong(tmp_path):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "a_broken.sqlite").write_text("not a run")  # sorts first
+    shutil.copy(SAMPLES / "healthy_fp16.sqlite", folder / "b_ok.sqlite")
+    at = _open(folder, "overview")
+    _no_failure(at)
+    assert at.sidebar.selectbox(key="run").value == "b_ok.sqlite" and not at.error  # the first readable run
+    at = _open(folder / "b_ok.sqlite", "overview")  # a run file typed as the folder opens it in its folder
+    assert at.sidebar.selectbox(key="run").value == "b_ok.sqlite" and at.title[0].value == "healthy_fp16"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    at = _open(notes, "overview")
+    assert [e.value for e in at.error] == [f"{str(notes)!r} is a file, not a folder: type the folder that holds "
+                                           "the .sqlite runs."]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for page in ("runs", "overview"):  # every page: the same info, not an error on one of them
+        at = _open(empty, page)
+        assert not at.error and at.info[0].value.startswith(f"No runs in {str(empty)!r} yet")
+
+
+def test_page_icon_is_local():
+    # A :material/ favicon is fetched from fonts.gstatic.com on every page load: the dashboard stays local.
+    assert 'page_icon=":material' not in Path(APP).read_text()

@@ -231,6 +231,20 @@ def test_layers_real_run_match_sqlite(real_run):
     assert (zero.loc[zt.index, "detail_steps"] == zt["n"]).all()
 
 
+def test_param_norm_heatmap_shows_the_jump_where_gradients_overflow():
+    # diverged: h.1.mlp.fc.weight's norm jumps 1e5x at step 180, where every gradient is NaN/inf
+    run = Path(__file__).resolve().parent.parent / "sample_runs" / "diverged.sqlite"
+    grid = layerdata.layer_heatmap(run, "param_norm")
+    t = _sql(run, "SELECT l.step, l.param_norm FROM layers l JOIN tensors t ON t.id = l.param_id"
+                  " WHERE t.name = 'h.1.mlp.fc.weight' ORDER BY l.step")
+    assert grid.width == 1 and list(grid.bucket_starts) == t["step"].tolist()
+    row = grid.names.index("h.1.mlp.fc.weight")
+    assert np.allclose(grid.values[row], t["param_norm"]) and not grid.nonfinite.any()
+    after = t["step"] >= 180
+    assert t["param_norm"][after].min() > 1e4 * t["param_norm"][~after].iloc[-1]  # the jump is there to see
+    assert layerdata.layer_heatmap(run, "grad_norm").nonfinite[:, grid.bucket_starts >= 180].all()
+
+
 def test_headroom_matches_sqlite(real_run):
     df = layerdata.module_headroom(real_run, buckets=7)
     t = _sql(real_run, "SELECT t.name module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END phase,"
@@ -258,6 +272,10 @@ def test_events_origin_first_and_step_detail(real_run):
     assert len(d["modules"]) == len(_sql(real_run, "SELECT 1 FROM modules WHERE step = ?", (step,)))
     assert bool(d["step"]["skipped"].iloc[0]) == bool(_sql(real_run, "SELECT skipped FROM steps WHERE step = ?",
                                                            (step,))["skipped"].iloc[0])
+    epoch = _sql(real_run, "SELECT time FROM steps WHERE step = ?", (step,))["time"].iloc[0]
+    assert d["step"]["time"].iloc[0] == pd.Timestamp(epoch, unit="s")  # a date, not raw epoch seconds
+    assert d["events"]["origin"].dtype == bool and ev["origin"].dtype == bool
+    assert {"fp32_amax", "micro_batch", "flows_into"} <= set(d["events"].columns) & set(ev.columns)
 
 
 def test_reading_never_changes_the_file(real_run):

@@ -112,3 +112,43 @@ def test_constant_lr_is_visible_not_flattened_onto_zero():
     fig = figures.overview_figure(dashdata.overview_data(SAMPLES / "healthy_fp16.sqlite"))
     lo, hi = fig.layout.yaxis4.range
     assert lo == 0 and 0.003 < hi < 0.0035  # the sample trains at a constant lr of 3e-3
+
+
+def _log_axes(fig):
+    return [(name, ax) for name, ax in fig.layout.to_plotly_json().items()
+            if name.startswith(("xaxis", "yaxis")) and ax.get("type") == "log"]
+
+
+def test_every_log_axis_labels_full_numbers(storm):
+    # Plotly's default minor labels on a short log axis are bare digits ("5" for 0.5)
+    runs = {"a": storm}
+    head = layerdata.module_headroom(SAMPLES / "diverged.sqlite")
+    for fig in (figures.overview_figure(storm), figures.compare_figure(runs, {}), figures.headroom_figure(head)):
+        axes = _log_axes(fig)
+        assert axes
+        for name, ax in axes:  # a full-number format, or explicit labels (the loss scale's 2^k)
+            assert ax.get("tickformat") == ".3~g" or ax.get("ticktext"), (name, ax)
+
+
+def test_headroom_draws_an_overflowed_module_past_the_limit():
+    df = layerdata.module_headroom(SAMPLES / "diverged.sqlite")
+    bad = df[~np.isfinite(df["amax"])]
+    assert ("h.1.mlp.fc", "forward") in set(zip(bad["module"], bad["phase"]))  # the sample's overflow
+    fig = figures.headroom_figure(df)
+    fwd = next(t for t in fig.data if t.name == "forward max |value|" and t.showlegend is False)
+    i = list(fwd.y).index("h.1.mlp.fc")
+    assert fwd.x[i] > 65504 and fwd.text[i] == "inf" and fwd.marker.color[i] == figures.SKIP_COLOR
+    assert fwd.marker.pattern.shape[i] == "x"
+    legend = {t.name: t.marker.color for t in fig.data if t.showlegend is not False}
+    assert legend["forward max |value|"] == figures.PHASE_COLOR["forward"]  # not the red of an overflowed bar
+    assert legend["backward max |value|"] == figures.PHASE_COLOR["backward"]
+    assert any(a.text == "dtype max 65504" and a.yref == "paper" for a in fig.layout.annotations)
+
+
+def test_scale_panel_says_why_it_is_empty_or_broken():
+    bf16 = dashdata.overview_data(SAMPLES / "bf16_noscaler.sqlite")
+    fig = figures.overview_figure(bf16)
+    assert any("no loss scale recorded" in a.text for a in fig.layout.annotations)
+    steps = pd.DataFrame({"step": [0, 1, 2, 3], "loss_scale": [4.0, 0.0, 0.0, 2.0]})
+    assert figures.scale_note(steps) == "scale 0 at 2 step(s) (1–2): not drawable on a log axis, a gap"
+    assert figures.scale_note(steps.assign(loss_scale=[4.0, 2.0, 1.0, 0.5])) is None

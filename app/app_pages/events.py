@@ -1,6 +1,7 @@
 """Events: NaN/Inf events, origin first; selecting one jumps the charts there and inspects the step."""
 import streamlit as st
 
+import headlines
 import shared
 
 path = shared.require_run()
@@ -15,12 +16,8 @@ if ev.empty:
     st.success("No NaN/Inf events in this run: no module produced a non-finite value.")
     st.stop()
 origins = ev[ev["origin"]]
-first = ev.iloc[0]  # the first event, warm-up included (events are in step order, origins first)
-text = f"First event: **{first['module']}** ({first['phase']}, {first['kind']}) at step {first['step']}"
-if len(origins) and origins.index[0] != ev.index[0]:
-    o = origins.iloc[0]
-    text += f"; first origin: **{o['module']}** ({o['phase']}, {o['kind']}) at step {o['step']}"
-st.warning(text)
+kind, text = headlines.events_headline(ev, shared.doctor_findings(path, key))
+getattr(st, kind)(text)
 only_origin = st.toggle("origins only", value=False, key="events_origin_only")
 shown = (origins if only_origin else ev).reset_index(drop=True)
 
@@ -32,8 +29,12 @@ def _select() -> None:
         shared.jump_to(path, step - 20, step + 20, inspect=step)
 
 
-st.dataframe(shown, key="events_table", on_select=_select, selection_mode="single-row", hide_index=True,
-             column_config={"origin": st.column_config.CheckboxColumn("origin", help="where the NaN/Inf was born")})
+# amax NULL is a NaN gradient's; fp32_amax NULL: not recomputed (only forward origins are)
+shown_text = shared.readable(shown, {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in shown else {})})
+st.dataframe(shown_text, key="events_table", on_select=_select, selection_mode="single-row", hide_index=True,
+             column_config={"origin": st.column_config.CheckboxColumn("origin", help="where the NaN/Inf was born"),
+                            "warmup": st.column_config.CheckboxColumn(
+                                "warm-up", help="gradient overflow during the scaler's warm-up: expected")})
 st.caption(f"{len(shown):,} events · select one to jump the charts to its step and inspect it.")
 shared.download(shown, f"{path.stem}_events.csv")
 

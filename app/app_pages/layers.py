@@ -25,7 +25,9 @@ if view == "Gradient heatmap":
     log = st.toggle("log colour scale", value=metric != "grad_zero_frac", key="layers_log")
     st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
     st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {grid.width:,} step(s): "
-               f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf gradient (red).")
+               f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf "
+               f"{figures.nonfinite_what(metric)} (red)."
+               + (" NaN/inf gradients are not marked here: the weights' norms are shown." if metric == "param_norm" else ""))
     table = grid_frame(grid)
     shared.download(table, f"{path.stem}_{metric}_heatmap.csv")
 elif view == "fp16 headroom":

@@ -1,5 +1,6 @@
 """Live: a run still being written redraws every few seconds; only the chart area reruns, so the
 sidebar, the page and the chart's zoom (Plotly uirevision) stay where they are."""
+import time
 from datetime import timedelta
 
 import streamlit as st
@@ -15,11 +16,21 @@ every = st.select_slider("Refresh every (s)", [1, 2, 3, 5, 10, 30], value=3, key
 follow = st.toggle("Refresh while the run is running", value=True, key="live_on")
 
 
-def _draw() -> str:
+def _row(key: tuple):
+    # A writer killed without a word leaves the file unchanged but its status ages ('interrupted' after
+    # a silent heartbeat): the cached row also expires every 10 s.
+    return shared.guarded(shared.run_row, str(path), key + (int(time.time()) // 10,), path=path)
+
+
+def _draw(following: bool = False) -> str:
     key = shared.stamp(path)
-    row = shared.guarded(shared.run_row, str(path), key, path=path)
+    row = _row(key)
     if row is None:
         return "unreadable"
+    if following and row["status"] != "running":
+        st.rerun()  # the run ended: redraw the whole page once, without the timer
+    if following:
+        st.caption(f"`{path.name}` is running: redrawing every {every} s.")
     cols = st.columns(4)
     cols[0].metric("status", row["status"])
     cols[1].metric("steps", f"{row['steps']:,}")
@@ -29,17 +40,21 @@ def _draw() -> str:
         st.info("No steps yet: waiting for the first flush.")
         return row["status"]
     ov = shared.guarded(shared.overview, str(path), key, path=path)
-    if ov is not None:
-        st.plotly_chart(figures.overview_figure(ov, log_loss=True), width="stretch", key="live_chart")
+    if ov is not None:  # one uirevision per run: a redraw with more steps keeps the user's zoom
+        st.plotly_chart(figures.overview_figure(ov, log_loss=True, uirevision=f"live:{path.name}"),
+                        width="stretch", key="live_chart")
     return row["status"]
 
 
-first = shared.guarded(shared.run_row, str(path), shared.stamp(path), path=path)
+first = _row(shared.stamp(path))
 running = first is not None and first["status"] == "running"
 if running and follow:
-    st.caption(f"`{path.name}` is running: redrawing every {every} s.")
-    st.fragment(run_every=timedelta(seconds=every))(_draw)()
+    st.fragment(run_every=timedelta(seconds=every))(_draw)(following=True)
 else:
     if first is not None:
-        st.caption(f"`{path.name}` is {first['status']}: nothing to follow, shown once.")
+        ended = {"finished": "ended (finished)", "crashed": "ended: it crashed",
+                 "interrupted": "ended: its writer stopped without closing the file (interrupted)"}
+        why = ended.get(first["status"], first["status"])
+        st.caption(f"`{path.name}` {why}: nothing to follow, shown once." if not running
+                   else f"`{path.name}` is running; following is off: shown once.")
     _draw()

@@ -1,6 +1,7 @@
 """Run overview: the doctor's findings, headline figures, then loss/scale/grad norm/lr on one step axis."""
 import streamlit as st
 
+import headlines
 import shared
 from ampwatch import figures
 
@@ -21,18 +22,19 @@ else:
     st.button(f"Run the doctor on all {row['steps']:,} steps (may take a minute)", key="run_doctor",
               on_click=lambda: st.session_state.update({doctor_key: True}))
 if found:
-    st.subheader("Root causes")
+    st.subheader(headlines.findings_heading(found))
 for i, f in enumerate(found):
     if f.get("cause"):
         continue  # shown folded under its cause
     box = st.container(border=True)
-    box.markdown(f"{shared.SEVERITY_ICON.get(f['severity'], '')} **{f['title']}** "
+    box.markdown(f"{shared.SEVERITY_BADGE.get(f['severity'], '')} **{f['title']}** "
                  f"· steps {f['steps'][0]}–{f['steps'][1]}")
     box.markdown(f"{f['evidence']}  \n**Fix:** {f['advice']}")
     box.button(f"Show steps {f['jump'][0]}–{f['jump'][1]}", key=f"finding:{i}", on_click=shared.jump_to,
                args=(path, f["jump"][0], f["jump"][1], f["steps"][0]))
     for j, c in enumerate(x for x in found if x.get("cause") == f["id"]):
-        with box.expander(f"{shared.SEVERITY_ICON.get(c['severity'], '')} consequence: {c['title']}"):
+        with box.expander(f"{c['severity'].upper()} · consequence: {c['title']}",
+                          icon=shared.SEVERITY_ICON.get(c["severity"])):
             st.markdown(f"{c['evidence']}  \n**Fix:** {c['advice']}")
             st.button(f"Show steps {c['jump'][0]}–{c['jump'][1]}", key=f"finding:{i}:{j}", on_click=shared.jump_to,
                       args=(path, c["jump"][0], c["jump"][1], c["steps"][0]))
@@ -47,9 +49,10 @@ if ov is None:
 
 m = st.columns(5)
 m[0].metric("steps", f"{row['steps']:,}")
-m[1].metric("skipped", f"{row['skipped']:,} ({row['skipped_pct']:.1f}%)")
-m[2].metric("final loss scale", shared.fmt(row["final_scale"], "{:g}"))
-m[3].metric("first NaN/inf step", shared.fmt(row["first_nonfinite_step"], "{}"))
+m[1].metric(f"skipped ({row['skipped_pct']:.1f}%)", f"{row['skipped']:,}")  # short values: they must fit
+m[2].metric("final loss scale", headlines.fmt_scale(row["final_scale"]))
+m[3].metric("first NaN/inf step", shared.fmt(row["first_nonfinite_step"], "{}"),
+            help="after the scaler's warm-up: its first, expected gradient overflows are not counted")
 m[4].metric("last loss", shared.fmt(row["last_loss"]))
 if ov.steps["loss"].notna().sum() == 0:
     st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")

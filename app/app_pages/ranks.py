@@ -23,7 +23,7 @@ if view.missing or view.unreadable:
     st.warning("Not every rank can be read; the figures cover the others.  \n" + "  \n".join(lines))
 for f in view.findings:
     box = st.container(border=True)
-    box.markdown(f"{shared.SEVERITY_ICON.get(f['severity'], '')} **{f['title']}**")
+    box.markdown(f"{shared.SEVERITY_BADGE.get(f['severity'], '')} **{f['title']}**")
     box.markdown(f"{f['evidence']}  \n**Fix:** {f['advice']}")
 
 ranks = sorted(view.files)

@@ -1,0 +1,52 @@
+"""Headline texts of the dashboard: short, plain strings built from shown data (no Streamlit calls)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from shared import fmt
+
+
+def fmt_scale(x: Any) -> str:
+    """A loss scale short enough for a headline: 65536 as is, 2^-53 for tiny or huge powers of two."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return fmt(x)
+    if 1 <= x < 1e7:
+        return f"{x:g}"
+    m, e = math.frexp(float(x))
+    return f"2^{e - 1}" if m == 0.5 else f"{x:.2g}"
+
+
+def findings_heading(found: list[dict]) -> str:
+    """'Root causes' only over something to fix; notes that say 'nothing to fix' are not causes."""
+    return "Root causes" if any(f["severity"] != "info" for f in found) else "Notes from the doctor (nothing to fix)"
+
+
+def _event_text(e: Any) -> str:
+    return f"**{e['module']}** ({e['phase']}, {e['kind']}) at step {e['step']}"
+
+
+def events_headline(ev: pd.DataFrame, found: list[dict]) -> tuple[str, str]:
+    """(st function name, text) above the events table: the doctor's root cause first when it has
+    one, then the first event after the scaler's warm-up; warm-up overflow is labelled expected."""
+    lines, kind = [], "info"
+    cause = next((f for f in found if f.get("id") == "nonfinite-origin" and not f.get("cause")), None)
+    if cause is not None:
+        lines.append(f"Root cause (doctor): **{cause['title']}**")
+        kind = "warning"  # st.error is kept for "cannot show this": a finding is a warning box
+    real = ev[~ev["warmup"]]
+    if len(real):
+        origins = real[real["origin"]]
+        lines.append(f"First event after the scaler's warm-up: {_event_text(real.iloc[0])}"
+                     + (f"; first origin: {_event_text(origins.iloc[0])}"
+                        if len(origins) and origins.index[0] != real.index[0] else ""))
+        # yellow when something is to fix: the doctor says so, or (no doctor) any event after warm-up
+        kind = "warning" if not found or any(f["severity"] != "info" for f in found) else "info"
+    warm = ev[ev["warmup"]]
+    if len(warm):
+        lines.append(f"{len(warm):,} gradient-overflow event(s) at steps {warm['step'].min()}–{warm['step'].max()}"
+                     " happened during the scaler's warm-up: expected (it halves its initial scale until the"
+                     " gradients fit), not a fault.")
+    return kind, "  \n".join(lines)
