@@ -122,7 +122,8 @@ def _scale_traces(fig: go.Figure, s: pd.DataFrame, changes: pd.DataFrame) -> Non
 
 
 def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = None) -> go.Figure:
-    """Layers x steps heatmap of one metric (log10 colour by default); non-finite cells in red."""
+    """Layers x steps heatmap of one metric (log10 colour by default); non-finite cells in red.
+    Columns of single recorded steps are equally wide (a category axis), so a lone step looks like one."""
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(grid.values > 0, np.log10(grid.values), np.nan) if log_color else grid.values
     label = f"log10 {grid.metric}" if log_color else grid.metric
@@ -139,7 +140,11 @@ def heatmap_figure(grid: Any, log_color: bool = True, height: Optional[int] = No
                                  name=f"NaN/inf {what} ({int(grid.nonfinite.sum())} cells)", hoverongaps=False,
                                  hovertemplate="step %{x}<br>%{y}<br>NaN/inf " + what + "<extra></extra>"))
     n = len(grid.names)
-    fig.update_layout(height=height or min(2400, max(320, 18 * n + 120)), xaxis_title="step",
+    # One column per recorded step: a category axis gives each the same width. On a linear axis a
+    # lone extra step (a skip between two layer_every steps) would stretch halfway to its neighbours.
+    xaxis = {"type": "category", "nticks": 20, "title": "recorded step (one column each)"} if grid.width == 1 \
+        else {"type": "linear", "title": "step"}
+    fig.update_layout(height=height or min(2400, max(320, 18 * n + 120)), xaxis=xaxis,
                       yaxis={"autorange": "reversed", "type": "category", "dtick": 1 if n <= 80 else None},
                       uirevision=grid.metric, margin={"l": 160, "r": 20, "t": 30, "b": 40},
                       legend={"orientation": "h", "y": 1.05})
@@ -166,6 +171,7 @@ def headroom_figure(df: pd.DataFrame, warn_factor: float = 4.0) -> go.Figure:
         colors = np.where(bad | (d["headroom"] <= warn_factor), SKIP_COLOR, PHASE_COLOR[phase])
         shown = ["inf" if np.isposinf(v) else "NaN" if np.isnan(v) else f"{v:.3g}" for v in amax]
         fig.add_trace(go.Bar(x=np.where(bad, past, amax), y=d["module"], orientation="h", showlegend=False,
+                             cliponaxis=False,
                              name=f"{phase} max |value|", offsetgroup=phase, customdata=np.c_[d["headroom"], shown],
                              marker={"color": colors, "pattern": {"shape": np.where(bad, "x", "").tolist()}},
                              text=np.where(bad, shown, ""), textposition="outside",

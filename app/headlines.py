@@ -24,6 +24,11 @@ def findings_heading(found: list[dict]) -> str:
     return "Root causes" if any(f["severity"] != "info" for f in found) else "Notes from the doctor (nothing to fix)"
 
 
+def origin_finding(found: list[dict]) -> dict | None:
+    """The doctor's root cause that names where a NaN/Inf was born, if any."""
+    return next((f for f in found if f.get("id") == "nonfinite-origin" and not f.get("cause")), None)
+
+
 def _event_text(e: Any) -> str:
     return f"**{e['module']}** ({e['phase']}, {e['kind']}) at step {e['step']}"
 
@@ -32,7 +37,7 @@ def events_headline(ev: pd.DataFrame, found: list[dict]) -> tuple[str, str]:
     """(st function name, text) above the events table: the doctor's root cause first when it has
     one, then the first event after the scaler's warm-up; warm-up overflow is labelled expected."""
     lines, kind = [], "info"
-    cause = next((f for f in found if f.get("id") == "nonfinite-origin" and not f.get("cause")), None)
+    cause = origin_finding(found)
     if cause is not None:
         lines.append(f"Root cause (doctor): **{cause['title']}**")
         kind = "warning"  # st.error is kept for "cannot show this": a finding is a warning box

@@ -73,7 +73,8 @@ def sidebar() -> tuple[Optional[Path], Optional[Path]]:
     not in the folder chooses nothing (the page says so) and the URL keeps it. The default run is
     the first one that can be read."""
     st.sidebar.text_input("Runs folder", value=default_folder(), key="folder",
-                          help="A folder of .sqlite run files. Default: $AMPWATCH_RUNS, else sample_runs/.")
+                          help="A folder of .sqlite run files. Default: $AMPWATCH_RUNS, else sample_runs/.",
+                          on_change=_folder_changed)
     folder = Path(st.session_state["folder"]).expanduser()
     st.session_state["_missing"] = None
     wanted = st.query_params.get("run")
@@ -98,6 +99,12 @@ def sidebar() -> tuple[Optional[Path], Optional[Path]]:
     if path is not None and st.query_params.get("run") != path.name:
         st.query_params["run"] = path.name
     return folder, path
+
+
+def _folder_changed() -> None:
+    # A run named in the URL belongs to the old folder: the new one opens on its first readable run.
+    st.query_params.pop("run", None)
+    st.session_state["run"] = None
 
 
 def _first_readable(folder: Path, names: list[str]) -> str:
@@ -210,20 +217,29 @@ def _keep(src: str, widget: str) -> None:
     st.session_state[src] = st.session_state[widget]
 
 
-def step_range(path: Path, first: int, last: int) -> tuple[int, int]:
-    """The sidebar's step-range slider for this run (whole run by default); returns (start, end)."""
-    if last <= first:
-        return first, last
-    src, widget, seen = f"_range:{path.name}", f"range:{path.name}", f"_last:{path.name}"
+def followed_range(path: Path, first: int, last: int) -> tuple[int, int]:
+    """The saved step range of this run, clamped to [first, last]: a range that ended at the run's
+    last step follows a growing run's end; one the user narrowed stays (plain keys only, so a
+    fragment may call it)."""
+    src, seen = f"_range:{path.name}", f"_last:{path.name}"
     lo, hi = st.session_state.get(src, (first, last))
-    # A range that ended at the run's last step follows a growing run's end; a narrowed one stays.
     if int(hi) >= int(st.session_state.get(seen, last)):
         hi = last
     st.session_state[seen] = last
     lo, hi = max(first, min(int(lo), last)), max(first, min(int(hi), last))
-    st.session_state[src] = st.session_state[widget] = (min(lo, hi), max(lo, hi))
+    st.session_state[src] = (min(lo, hi), max(lo, hi))
+    return st.session_state[src]
+
+
+def step_range(path: Path, first: int, last: int) -> tuple[int, int]:
+    """The sidebar's step-range slider for this run (whole run by default); returns (start, end)."""
+    if last <= first:
+        return first, last
+    src, widget = f"_range:{path.name}", f"range:{path.name}"
+    st.session_state[widget] = followed_range(path, first, last)
     st.sidebar.slider("Steps", first, last, key=widget, on_change=_keep, args=(src, widget),
-                      help="Zoom every chart to this step range")
+                      help="Zoom every chart to this step range (a range that ends at the last step follows a "
+                           "growing run)")
     st.sidebar.button("Whole run", on_click=jump_to, args=(path, first, last), key=f"whole:{path.name}")
     return st.session_state[src]
 

@@ -382,6 +382,8 @@ def test_findings_show_their_severity_and_only_causes_are_root_causes():
     for f, card in zip(shown, cards):
         assert f"{f.severity.upper()}]" in card and f.title in card  # a coloured ERROR/WARNING/INFO badge
     assert at.subheader[0].value == "Root causes"
+    origin = next(f for f in found if f.id == "nonfinite-origin")  # not the warm-up or a handled skip
+    assert _metric(at, "NaN/inf born at step") == str(origin.steps[0]) and "step 120" in origin.title
     healthy = _open(SAMPLES, "overview", "healthy_fp16.sqlite")  # only "nothing to fix" notes
     assert all(f.severity == "info" for f in ampwatch.diagnose(str(SAMPLES / "healthy_fp16.sqlite")))
     assert healthy.subheader[0].value == "Notes from the doctor (nothing to fix)"
@@ -412,3 +414,16 @@ def test_folder_and_run_choice_say_what_is_wrong(tmp_path):
 def test_page_icon_is_local():
     # A :material/ favicon is fetched from fonts.gstatic.com on every page load: the dashboard stays local.
     assert 'page_icon=":material' not in Path(APP).read_text()
+
+
+def test_live_page_keeps_a_narrowed_step_range_and_follows_a_full_one(tmp_path):
+    path = _make_run(tmp_path / "live.sqlite", [1.0] * 10, status="running")
+    at = _open(tmp_path, "live", path.name)
+    assert _values(_trace(_figure(at), "loss").x) == list(range(10))
+    _append(path, 10, [0.9] * 5)
+    at.run()
+    assert _values(_trace(_figure(at), "loss").x) == list(range(15))  # the whole run follows its end
+    at.sidebar.slider(key=f"range:{path.name}").set_value((3, 8)).run()
+    _append(path, 15, [0.8] * 5)
+    at.run()
+    assert _metric(at, "steps") == "20" and _values(_trace(_figure(at), "loss").x) == list(range(3, 9))

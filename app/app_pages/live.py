@@ -1,5 +1,8 @@
 """Live: a run still being written redraws every few seconds; only the chart area reruns, so the
-sidebar, the page and the chart's zoom (Plotly uirevision) stay where they are."""
+sidebar and the page stay where they are. The view that survives a redraw is the sidebar's Steps
+range (ending at the last step, it follows the run; narrowed, it stays): Streamlit mounts a chart
+whose data changed as a new element, so Plotly's uirevision keeps a mouse zoom only while no new
+steps arrive."""
 import time
 from datetime import timedelta
 
@@ -39,14 +42,19 @@ def _draw(following: bool = False) -> str:
     if not row["steps"]:
         st.info("No steps yet: waiting for the first flush.")
         return row["status"]
-    ov = shared.guarded(shared.overview, str(path), key, path=path)
-    if ov is not None:  # one uirevision per run: a redraw with more steps keeps the user's zoom
+    # The Steps range (sidebar) is the view that survives redraws: Streamlit draws a chart whose data
+    # changed as a new element, so a mouse zoom lasts only until the next new steps arrive.
+    start, end = shared.followed_range(path, int(row["first_step"]), int(row["last_step"]))
+    ov = shared.guarded(shared.overview, str(path), key, start, end, path=path)
+    if ov is not None:  # one uirevision per run: a redraw without new steps keeps the user's zoom
         st.plotly_chart(figures.overview_figure(ov, log_loss=True, uirevision=f"live:{path.name}"),
                         width="stretch", key="live_chart")
     return row["status"]
 
 
 first = _row(shared.stamp(path))
+if first is not None and first["steps"]:
+    shared.step_range(path, int(first["first_step"]), int(first["last_step"]))
 running = first is not None and first["status"] == "running"
 if running and follow:
     st.fragment(run_every=timedelta(seconds=every))(_draw)(following=True)

@@ -51,8 +51,13 @@ m = st.columns(5)
 m[0].metric("steps", f"{row['steps']:,}")
 m[1].metric(f"skipped ({row['skipped_pct']:.1f}%)", f"{row['skipped']:,}")  # short values: they must fit
 m[2].metric("final loss scale", headlines.fmt_scale(row["final_scale"]))
-m[3].metric("first NaN/inf step", shared.fmt(row["first_nonfinite_step"], "{}"),
-            help="after the scaler's warm-up: its first, expected gradient overflows are not counted")
+origin = headlines.origin_finding(found)
+if origin is not None:  # the root cause, not the first overflow the scaler handled
+    m[3].metric("NaN/inf born at step", f"{origin['steps'][0]}", help=f"the doctor's root cause: {origin['title']}")
+else:
+    m[3].metric("first NaN/inf step", shared.fmt(row["first_nonfinite_step"], "{}"),
+                help="after the scaler's warm-up (its expected overflows are not counted); a gradient "
+                     "overflow the scaler skipped counts: see the doctor's findings for whether it matters")
 m[4].metric("last loss", shared.fmt(row["last_loss"]))
 if ov.steps["loss"].notna().sum() == 0:
     st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")
