@@ -118,6 +118,8 @@ def test_dashboard_in_chromium(server, browser):
     _wait(browser, "h1", text="overflow_storm")
     _wait(browser, ".js-plotly-plot .main-svg")
     assert option is not None and "run=overflow_storm.sqlite" in browser.current_url
+    # the previous run's elements stay until replaced: wait for this run's doctor (healthy_fp16 has only notes)
+    _wait(browser, '[data-testid="stMain"]', text="Root causes")
     text = browser.find_element(By.TAG_NAME, "body").text
     assert "Root causes" in text and "skipped" in text
     _no_errors(browser)
@@ -130,3 +132,38 @@ def test_dashboard_in_chromium(server, browser):
     _wait(browser, ".js-plotly-plot .main-svg")
     _no_errors(browser)
     browser.save_screenshot(str(ARTIFACTS / "dashboard_layers.png"))
+
+
+def test_live_drag_zoom_survives_redraws(server, browser, tmp_path):
+    """A drag on the Live chart is the view kept while a growing run redraws (Streamlit mounts a
+    changed chart anew, so Plotly's own zoom would reset every few seconds)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from test_app import _append, _make_run
+    path = _make_run(tmp_path / "grow.sqlite", [1.0 - 0.005 * i for i in range(60)], status="running")
+    browser.get(f"{server}/live")
+    box = _wait(browser, '[data-testid="stSidebar"] input[aria-label="Runs folder"]')
+    box.send_keys(Keys.CONTROL, "a", Keys.DELETE)
+    box.send_keys(str(tmp_path), Keys.ENTER)
+    _wait(browser, '[data-testid="stMain"]', text="redrawing every")
+    plot = _wait(browser, ".js-plotly-plot .nsewdrag")
+
+    def x_range():
+        return browser.execute_script("const p=document.querySelector('.js-plotly-plot');"
+                                      " return p ? p._fullLayout.xaxis.range : null;")
+
+    time.sleep(1)
+    width = plot.size["width"]
+    ActionChains(browser).move_to_element_with_offset(plot, -width // 2 + 60, 0).click_and_hold() \
+        .move_by_offset(80, 0).move_by_offset(80, 2).release().perform()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (x_range() and x_range()[1] - x_range()[0] < 40):
+        time.sleep(0.3)
+    zoomed = x_range()
+    assert zoomed[1] - zoomed[0] < 40, zoomed
+    _append(path, 60, [0.5] * 40)
+    _wait(browser, '[data-testid="stMain"]', text="100", timeout=30)  # the redraw with the new steps
+    time.sleep(1)
+    assert x_range() == zoomed
+    _no_errors(browser)

@@ -1,8 +1,9 @@
 """Live: a run still being written redraws every few seconds; only the chart area reruns, so the
-sidebar and the page stay where they are. The view that survives a redraw is the sidebar's Steps
-range (ending at the last step, it follows the run; narrowed, it stays): Streamlit mounts a chart
-whose data changed as a new element, so Plotly's uirevision keeps a mouse zoom only while no new
-steps arrive."""
+sidebar and the page stay where they are. A drag across the chart becomes the sidebar's Steps range
+(ending at the last step, it follows the run; narrowed, it stays), the view that survives a redraw:
+Streamlit mounts a chart whose data changed as a new element, so Plotly's uirevision keeps its own
+zoom only while no new steps arrive."""
+import math
 import time
 from datetime import timedelta
 
@@ -25,7 +26,18 @@ def _row(key: tuple):
     return shared.guarded(shared.run_row, str(path), key + (int(time.time()) // 10,), path=path)
 
 
+def _zoom() -> None:
+    """A box dragged on the chart becomes the Steps range: a server-side zoom that redraws keep."""
+    boxes = st.session_state["live_chart"].selection.get("box") or []
+    xs = [float(x) for b in boxes[:1] for x in b.get("x", [])]
+    if len(xs) >= 2:
+        shared.jump_to(path, math.floor(min(xs)), math.ceil(max(xs)))
+        st.session_state["_live_zoomed"] = True  # the sidebar slider is outside the fragment: redraw it too
+
+
 def _draw(following: bool = False) -> str:
+    if st.session_state.pop("_live_zoomed", False):
+        st.rerun()
     key = shared.stamp(path)
     row = _row(key)
     if row is None:
@@ -47,8 +59,11 @@ def _draw(following: bool = False) -> str:
     start, end = shared.followed_range(path, int(row["first_step"]), int(row["last_step"]))
     ov = shared.guarded(shared.overview, str(path), key, start, end, path=path)
     if ov is not None:  # one uirevision per run: a redraw without new steps keeps the user's zoom
-        st.plotly_chart(figures.overview_figure(ov, log_loss=True, uirevision=f"live:{path.name}"),
-                        width="stretch", key="live_chart")
+        fig = figures.overview_figure(ov, log_loss=True, uirevision=f"live:{path.name}")
+        fig.update_layout(dragmode="select", selectdirection="h")  # a drag picks the steps to keep in view
+        st.plotly_chart(fig, width="stretch", key="live_chart", on_select=_zoom, selection_mode="box")
+        st.caption("Drag across the chart to zoom to those steps (kept across redraws); *Whole run* in the "
+                   "sidebar zooms out.")
     return row["status"]
 
 
