@@ -78,7 +78,7 @@ def test_a_recompute_that_fits_fp16_is_not_called_fp16s_range(tmp_path):
     assert e["fp32_amax"] == pytest.approx(seen["fp32"], rel=1e-3) and seen["fp32"] < FP16_MAX
     origin = _origin(diagnose(run))
     assert "range is the problem" not in origin.evidence
-    assert "did not reproduce the overflow" in origin.evidence and "no fp32 verdict" in origin.evidence
+    assert "did not reproduce it" in origin.evidence and "no fp32 verdict" in origin.evidence
     assert "only float16 cannot hold them" not in origin.advice
     assert "did not reproduce" in origin.advice and "forward hook" in origin.advice
 

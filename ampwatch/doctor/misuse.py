@@ -101,8 +101,9 @@ def clip_evidence(facts: Facts, noticed: list[int], once: bool = False) -> tuple
     every = int(facts.info.get("layer_every") or 0)
     s = facts.steps
     first = noticed[0]
-    checked = [int(x) for x in s.loc[(s["step"] >= first) & ~s["skipped"], "step"]
-               if every and int(x) % every == 0]
+    steps = s["step"].to_numpy()
+    checked = ([int(x) for x in steps[(steps >= first) & ~s["skipped"].to_numpy() & (steps % every == 0)]]
+               if every else [])
     if every and len(checked) > 1 and set(checked) <= set(noticed):
         return (f"the recorder saw the gradients shrink without scaler.unscale_ on every step it checked from step "
                 f"{first:,} on ({len(checked):,} checks, one every layer_every={every} steps: "

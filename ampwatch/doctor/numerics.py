@@ -173,9 +173,9 @@ def fp32_verdict(e: pd.Series, dtype: str) -> tuple[str, str, bool]:
                 f"Keep {module} in fp32 (torch.autocast(device_type, enabled=False) around it, input "
                 f"cast by .float()) or use bf16 autocast: the values are real, only {dtype} cannot hold them", True)
     return (f"; recomputed in fp32 on the inputs kept from its call its max |output| is only {num(amax)}, "
-            f"which {dtype} holds: the recompute did not reproduce the overflow (what the module received or "
-            f"did then differs from the recompute: a forward hook that changes its output is not re-run, or "
-            f"its inputs were replaced), so there is no fp32 verdict", "", False)
+            f"which {dtype} holds: the recompute did not reproduce it (a forward hook that changes the "
+            f"module's output is not re-run, its inputs may have been replaced, or {dtype}'s rounding rather "
+            f"than its range made the difference), so there is no fp32 verdict", "", False)
 
 
 def nonfinite_origin(facts: Facts) -> list[Finding]:

@@ -287,7 +287,8 @@ class Watch:
             if shrank is not None:
                 self.writer.put_notice(self.step, "clip-before-unscale",
                                        f"gradients shrank {shrank[0] / shrank[1]:.3g}x between backward and "
-                                       f"scaler.step without scaler.unscale_ at step {self.step}: clipped while still scaled?")
+                                       f"scaler.step without scaler.unscale_ at step {self.step}: clipped while "
+                                       f"still scaled?")
         self.grads.measure(self._detail_step())
 
     def before_scaler_step(self) -> None:
