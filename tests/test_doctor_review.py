@@ -8,7 +8,7 @@ the doctor's words checked against it.
 * NaN born in a Linear without an fp32 verdict is "undetermined, likely an overflow", not "add an eps";
 * an overwritten weight's advice names a checkpoint the run had (the last good step);
 * clipping before unscale_ is reported on every affected step;
-* a step a replay could not localize does not make the loss its root cause.
+* a step a replay could not localize does not make the loss its root cause (in tests/test_replay.py).
 """
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ class Facts:
             return "recorded with localize=False"
         n = self.notices
         if len(n) and ((n["code"] == "replay-not-reproduced") & (n["step"] == step)).any():
-            return "a replay of it did not reproduce the skip (notice replay-not-reproduced)"
+            return "the replay of this skipped step did not localize it (notice replay-not-reproduced)"
         if self._conn.execute("SELECT 1 FROM modules WHERE step = ? LIMIT 1", (step,)).fetchone() is None:
             return "no module values were recorded at it"
         return None

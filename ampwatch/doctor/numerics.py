@@ -153,9 +153,10 @@ _PHASE_RANK = {"forward": 0, "backward": 1, "loss": 2, "param_grad": 3}
 
 def fp32_verdict(e: pd.Series, dtype: str) -> tuple[str, str, bool]:
     """(evidence, advice, decided) from the fp32 recompute of a forward origin. ``decided`` is False
-    when there is no verdict: no recompute was done, or it did not reproduce the overflow (finite
-    and within ``dtype``'s range: the module's inputs or hooks at the recompute differ from the
-    call that overflowed); the advice is then empty."""
+    when there is no verdict: no recompute was done, or it did not reproduce the non-finite values
+    (finite and within ``dtype``'s largest finite value, ``DTYPE_MAX``: what acted on the call differs
+    from the recompute, or the dtype's rounding rather than its range made them); the advice is
+    then empty."""
     amax = e.get("fp32_amax")
     if e["phase"] != "forward" or amax is None:
         return "", "", False
@@ -200,7 +201,7 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     verdict, fp32_advice, decided = fp32_verdict(e, dtype=dtype_name)
     if fp32_advice and not extra:  # an overwritten weight is the more specific cause: its advice stays
         advice = fp32_advice
-    elif verdict and not decided and not extra and e["kind"] != "nan":  # recomputed, not reproduced
+    elif verdict and not decided and not extra and "nan" not in str(e["kind"]):  # recomputed, not reproduced
         advice = (f"The fp32 recompute did not reproduce it, so this is not confirmed: first check what else acts "
                   f"on {module} at step {first:,} (a forward hook that rescales its output, inputs replaced after "
                   f"the call); if its values are real: " + advice[0].lower() + advice[1:])
