@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import math
+import numbers
 import logging
 import sys
 import time
@@ -81,9 +82,9 @@ class Watch:
         self.model, self.optimizer, self.scaler = model, _unwrap_optimizer(optimizer), scaler
         self.closed = False
         self._failed = False
+        self._bad_log_keys: set[str] = set()  # watch.log keys already warned about
         self._handles: list[Any] = []
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
-        self._clip_noticed = False         # the clip-before-unscale notice is written once per run
         self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
         self._trigger: Optional[BackwardEnd] = None
@@ -204,6 +205,11 @@ class Watch:
             self._failed = True
             warnings.warn(f"ampwatch stopped recording {str(getattr(self, 'path', ''))!r}: "
                           f"{type(exc).__name__}: {exc}. Training continues.", RuntimeWarning, stacklevel=3)
+            writer = getattr(self, "writer", None)
+            if writer is not None and writer.failure is None and not self.closed:  # the file says so too
+                writer.put_notice(self.step, "recording-stopped",
+                                  f"ampwatch stopped recording at step {self.step} ({type(exc).__name__}: {exc}): "
+                                  f"later steps are not in this file")
         if self.observer is not None:
             self.observer.remove()
         if self.replayer is not None:
@@ -280,13 +286,16 @@ class Watch:
         self.state.scale_calls += 1
 
     def on_unscaled(self, inside_step: bool) -> None:
-        if inside_step and not self._clip_noticed and self._detail_step():  # the user did not unscale_ first
+        # the user did not unscale_ first. Checked on every layer_every step (two host reads, right
+        # before scaler.step syncs anyway), a notice on each that shows it: the doctor tells a loop
+        # that always clips scaled gradients from one that did it once
+        if inside_step and self._detail_step():
             shrank = self.grads.shrank()
             if shrank is not None:
-                self._clip_noticed = True
                 self.writer.put_notice(self.step, "clip-before-unscale",
                                        f"gradients shrank {shrank[0] / shrank[1]:.3g}x between backward and "
-                                       f"scaler.step without scaler.unscale_: clipped while still scaled?")
+                                       f"scaler.step without scaler.unscale_ at step {self.step}: clipped while "
+                                       f"still scaled?")
         self.grads.measure(self._detail_step())
 
     def before_scaler_step(self) -> None:
@@ -401,7 +410,14 @@ class Watch:
         if self._failed or self.closed:
             return
         for key, value in scalars.items():
-            if key == "loss" and isinstance(value, (torch.Tensor, float, int)):
+            problem = _not_a_scalar(value, allow_many=key == "loss")
+            if problem is not None:  # told at the call, once per key; the rest is recorded
+                if key not in self._bad_log_keys:
+                    self._bad_log_keys.add(key)
+                    warnings.warn(f"ampwatch: watch.log({key}=...) ignored: expected a number or a one-element "
+                                  f"tensor, got {problem}", RuntimeWarning, stacklevel=2)
+                continue
+            if key == "loss":
                 self.state.logged_losses.append(value.detach() if isinstance(value, torch.Tensor)
                                                 else torch.tensor(float(value), device=self._device))
             else:
@@ -467,6 +483,18 @@ class _AutocastProbe:
 never_a_frame_of_its_own(_AutocastProbe.__call__)
 
 _open_watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+
+
+def _not_a_scalar(value: Any, allow_many: bool = False) -> Optional[str]:
+    """What is wrong with a value given to ``watch.log`` (None when it is a number or a one-element
+    tensor; ``allow_many``: a tensor of any size, as a loss is averaged)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            return "a complex tensor"
+        return None if allow_many or value.numel() == 1 else f"a tensor of {value.numel()} elements"
+    if isinstance(value, numbers.Real):
+        return None
+    return type(value).__name__
 
 
 @atexit.register
