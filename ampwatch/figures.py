@@ -181,8 +181,8 @@ def headroom_figure(df: pd.DataFrame, warn_factor: float = 4.0) -> go.Figure:
                              marker={"color": PHASE_COLOR[phase]}, hoverinfo="skip"))
     if len(df):
         if (df["headroom"] <= warn_factor).any() or (~np.isfinite(df["amax"].astype(float))).any():
-            fig.add_trace(go.Bar(x=[None], y=[None], name=f"within {warn_factor:g}x of the limit", offsetgroup="forward",
-                                 marker={"color": SKIP_COLOR}, hoverinfo="skip"))
+            fig.add_trace(go.Bar(x=[None], y=[None], name=f"within {warn_factor:g}x of the limit",
+                                 offsetgroup="forward", marker={"color": SKIP_COLOR}, hoverinfo="skip"))
         if (~np.isfinite(df["amax"].astype(float))).any():
             fig.add_trace(go.Bar(x=[None], y=[None], name="overflowed (inf/NaN), drawn past the limit",
                                  offsetgroup="forward", marker={"color": SKIP_COLOR, "pattern": {"shape": "x"}},

@@ -364,8 +364,8 @@ def show_step(path: Path, key: tuple, step: int) -> None:
     if len(detail["events"]):
         st.markdown("**NaN/Inf events** (origin first)")
         ev = detail["events"]
-        st.dataframe(readable(ev, {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in ev else {})}), hide_index=True,
-                     key="step_events")
+        nan_text = {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in ev else {})}
+        st.dataframe(readable(ev, nan_text), hide_index=True, key="step_events")
     if detail["layers"].empty:
         near = detail["layer_step_at_or_before"]
         st.info(f"No per-layer rows at step {step}: they are written every `layer_every` steps and on skipped "

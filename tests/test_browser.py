@@ -138,7 +138,6 @@ def test_live_drag_zoom_survives_redraws(server, browser, tmp_path):
     """A drag on the Live chart is the view kept while a growing run redraws (Streamlit mounts a
     changed chart anew, so Plotly's own zoom would reset every few seconds)."""
     from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from test_app import _append, _make_run
     path = _make_run(tmp_path / "grow.sqlite", [1.0 - 0.005 * i for i in range(60)], status="running")

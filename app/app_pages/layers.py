@@ -27,7 +27,8 @@ if view == "Gradient heatmap":
     st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {grid.width:,} step(s): "
                f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf "
                f"{figures.nonfinite_what(metric)} (red)."
-               + (" NaN/inf gradients are not marked here: the weights' norms are shown." if metric == "param_norm" else ""))
+               + (" NaN/inf gradients are not marked here: the weights' norms are shown."
+                  if metric == "param_norm" else ""))
     table = grid_frame(grid)
     shared.download(table, f"{path.stem}_{metric}_heatmap.csv")
 elif view == "fp16 headroom":
