@@ -29,6 +29,7 @@ log = logging.getLogger("ampwatch")
 
 _STOP = object()
 _POLL_S = 0.1  # how often the thread drains the step deque; bounds what a reader sees late
+CHECKPOINT_EVERY_S = 2.0  # how often the WAL is folded into the run file while recording (_checkpoint)
 
 _INSERTS = {
     "steps": "INSERT OR REPLACE INTO steps (step, time, duration_s, loss, loss_scale, skipped, grad_norm,"
@@ -135,7 +136,7 @@ class RunWriter:
         pending = Rows()
         info: dict[str, Any] = {}
         notices: list[tuple] = []
-        last_flush = time.monotonic()
+        last_flush = last_checkpoint = time.monotonic()
         stop = False
         while not stop:
             timeout = min(_POLL_S, max(0.0, self._flush_every_s - (time.monotonic() - last_flush)))
@@ -158,6 +159,9 @@ class RunWriter:
                 self._commit(conn, pending, info, notices)
                 pending, info, notices = Rows(), {}, []
                 last_flush = time.monotonic()
+                if not stop and last_flush - last_checkpoint >= CHECKPOINT_EVERY_S:
+                    _checkpoint(conn)
+                    last_checkpoint = last_flush
 
     def _commit(self, conn: sqlite3.Connection, rows: Rows, info: dict[str, Any], notices: list) -> None:
         self._check_file()
@@ -193,6 +197,17 @@ class RunWriter:
             raise RuntimeError(f"run file {self.path!r} was removed while recording") from None
         if inode != self._inode:
             raise RuntimeError(f"run file {self.path!r} was replaced while recording")
+
+
+def _checkpoint(conn: sqlite3.Connection) -> None:
+    """Copy what the WAL holds into the run file itself, as far as readers allow, without waiting
+    for them (PASSIVE). A run file copied while training goes on, without its ``-wal`` beside it
+    (the README's "copy it, open it"), then holds every step up to the last checkpoint instead of
+    none: SQLite folds the WAL in by itself only every 1,000 pages, which a small run never fills."""
+    try:
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    except sqlite3.OperationalError:  # busy: the next one will do
+        pass
 
 
 def _leave_wal(conn: sqlite3.Connection, timeout_s: float = 5.0) -> None:

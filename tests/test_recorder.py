@@ -390,3 +390,59 @@ def test_backward_end_is_seen_when_the_first_parameter_gets_no_gradient(tmp_path
     steps = ampwatch.load(watch.path).steps
     assert steps["grad_norm"].tolist() == pytest.approx(pre_clip, rel=1e-5)
     assert steps["micro_batches"].tolist() == [1, 1, 1]
+
+
+def test_a_value_log_cannot_record_is_refused_at_the_call_and_recording_goes_on(tmp_path):
+    """User review: ``watch.log(val="hello")`` used to stop the whole recording at the step's end, and
+    the file still read as a healthy finished run. Now each bad key warns once, at the call, and
+    is left out; every step and every good value is recorded."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+            for i in range(5):
+                watch.log(text="hello", vec=torch.ones(3), nothing=None, table={"a": 1},
+                          lr=0.5 + i, one=torch.tensor([2.0 * i]), flag=True)
+                amp_step(model, opt, scaler, *data(i))
+    ours = [str(w.message) for w in caught if "ampwatch" in str(w.message)]
+    assert sorted(m.split("(")[1].split("=")[0] for m in ours) == ["nothing", "table", "text", "vec"]
+    assert any("a tensor of 3 elements" in m for m in ours) and any("got str" in m for m in ours)
+    run = ampwatch.load(watch.path)
+    assert list(run.steps["step"]) == list(range(5)) and run.info["status"] == "finished"
+    metrics = run.metrics.pivot(index="step", columns="key", values="value")
+    assert sorted(metrics.columns) == ["flag", "lr", "one"]
+    assert metrics["lr"].tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]
+    assert metrics["one"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert run.notices.empty
+
+
+def test_recording_that_stops_says_so_in_the_file(tmp_path, monkeypatch):
+    """An internal failure warns once and stops recording; the file then carries a notice naming the
+    step, and the doctor reports it, instead of reading as a healthy run that just ended early."""
+    from ampwatch.record import watch as watch_module
+    real = watch_module.Watch.before_update
+
+    def fails_at_step_3(self):
+        if self.step == 3:
+            raise ZeroDivisionError("injected internal bug")
+        return real(self)
+
+    monkeypatch.setattr(watch_module.Watch, "before_update", fails_at_step_3)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.warns(RuntimeWarning, match="stopped recording"):
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+            for i in range(6):
+                amp_step(model, opt, scaler, *data(i))
+    run = ampwatch.load(watch.path)
+    assert list(run.steps["step"]) == [0, 1, 2]
+    assert run.notices[["step", "code"]].values.tolist() == [[3, "recording-stopped"]]
+    assert "ZeroDivisionError: injected internal bug" in run.notices["message"].iloc[0]
+    from ampwatch.doctor import diagnose
+    found = {f.id: f for f in diagnose(run)}
+    assert found["misuse-recording-stopped"].severity == "warning"
+    assert "not in this file" in found["misuse-recording-stopped"].title
+    assert "ampwatch bug" in found["misuse-recording-stopped"].advice

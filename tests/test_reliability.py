@@ -259,3 +259,27 @@ def test_close_leaves_wal_mode_once_a_reader_lets_go(tmp_path):
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     assert _contiguous(path) == 5 and ampwatch.load(path).info["status"] == "finished"
+
+
+def test_a_copy_of_a_live_run_without_its_wal_holds_the_steps_so_far(tmp_path, monkeypatch):
+    """User review: ``cp run.sqlite`` while training goes on, without ``run.sqlite-wal``, read as an
+    empty run (SQLite folds the WAL into the file only every 1,000 pages). The writer now folds it in
+    every CHECKPOINT_EVERY_S: the copy holds every step up to the last checkpoint."""
+    from ampwatch import writer
+    monkeypatch.setattr(writer, "CHECKPOINT_EVERY_S", 0.2)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    path = tmp_path / "live.sqlite"
+    copy = tmp_path / "copy" / "live.sqlite"
+    copy.parent.mkdir()
+    with ampwatch.attach(model, opt, scaler, path=str(path), flush_every_s=0.05) as watch:
+        for i in range(5):
+            amp_step(model, opt, scaler, *data(i))
+        time.sleep(1.0)  # a few commits and checkpoints later
+        assert Path(str(path) + "-wal").exists()  # still recording, in WAL mode
+        shutil.copyfile(path, copy)  # the file alone
+        amp_step(model, opt, scaler, *data(5))
+    assert not (copy.parent / "live.sqlite-wal").exists()
+    assert _contiguous(copy) == 5
+    assert _contiguous(Path(watch.path)) == 6

@@ -56,10 +56,12 @@ class Net(nn.Module):
 
 
 def train(tmp_path, name, *, watched=True, fault=None, fault_step=3, steps=6, accum=1, bad_batch=0,
-          loss_inside=False, compiled=False, **options):
+          loss_inside=False, compiled=False, reuse_buffer=False, **options):
     """Train Net with fp16 autocast and a CPU GradScaler; ``fault`` at ``fault_step``: "forward"
     (fc2's weights x1e6), "backward" (the bomb armed) or "input" (micro-batch ``bad_batch``'s input
-    x1e7). Returns (run or None, losses, parameters, buffers)."""
+    x1e7); ``reuse_buffer``: every micro-batch is copied into one input tensor (a prefetching
+    loop's pattern). Returns (run or None, losses, parameters, buffers)."""
+    x_buf = torch.empty(8, 16)
     torch._dynamo.reset()
     model = Net(loss_inside)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -80,6 +82,8 @@ def train(tmp_path, name, *, watched=True, fault=None, fault_step=3, steps=6, ac
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             if armed and fault == "input" and k == bad_batch:
                 x = x * 1e7  # finite in fp32, inf once autocast casts it to fp16 inside fc1
+            if reuse_buffer:
+                x = x_buf.copy_(x)
             with torch.autocast("cpu", dtype=torch.float16):
                 out = net(x, y) if loss_inside else net(x)
             loss = (out[0] if loss_inside else F.mse_loss(out.float(), y)) / accum
@@ -135,6 +139,26 @@ def test_a_replay_names_the_micro_batch_that_overflowed(tmp_path):
     origin = a[a.origin & (a.phase == "forward")]
     assert origin[["module", "micro_batch"]].values.tolist() == [["fc1", 1]]
     assert replayed.steps.set_index("step").loc[3, "micro_batches"] == 3
+
+
+@pytest.mark.parametrize("bad_batch", [0, 1])
+def test_a_reused_input_buffer_is_not_replayed_with_the_wrong_data(tmp_path, bad_batch):
+    """The loop copies each micro-batch into one tensor: by the step's end it holds the last one, so
+    a replay would run every micro-batch on the last one's data (and name the wrong micro-batch, or
+    miss the fault). The kept inputs' version counters tell: the step is not replayed, says why,
+    and the run is observed live from then on; training is unchanged."""
+    replayed, losses, params, _ = train(tmp_path, "replay", fault="input", accum=2, bad_batch=bad_batch,
+                                        reuse_buffer=True)
+    live = train(tmp_path, "live", fault="input", accum=2, bad_batch=bad_batch, reuse_buffer=True, replay=False)[0]
+    _, plain_losses, plain_params, _ = train(tmp_path, "plain", watched=False, fault="input", accum=2,
+                                             bad_batch=bad_batch, reuse_buffer=True)
+    notices = replayed.notices
+    assert notices[["step", "code"]].values.tolist() == [[3, "replay-not-reproduced"]]
+    assert "changed in place after its forward" in notices["message"].iloc[0]
+    assert _events(replayed).query("step == 3").empty  # nothing claimed from a replay on the wrong data
+    truth = _events(live)
+    assert truth[truth.origin & (truth.phase == "forward")][["module", "micro_batch"]].values.tolist() == [["fc1", bad_batch]]
+    assert _same(losses, plain_losses) and _same(params, plain_params)
 
 
 def test_a_loss_computed_inside_the_model_is_replayed_once(tmp_path):

@@ -95,7 +95,11 @@ def misuse_notices(facts: Facts) -> list[Finding]:
                                      "scaled gradients max_norm clips scale-times too hard.",
               # not a misuse: the recorder's own note that one skipped step went unlocalized
               "replay-not-reproduced": "Nothing to change in the loop. Later bad steps are localized live; "
-                                       "attach with replay=False to observe every step from the start."}
+                                       "attach with replay=False to observe every step from the start.",
+              # not a misuse either: the recorder failed and stopped (training went on)
+              "recording-stopped": "Training went on; this file ends at that step. Unless the message names "
+                                   "something your loop passed, it is an ampwatch bug: please report the "
+                                   "message, and attach again (strict=True raises it where it happens)."}
     out = []
     for code, g in n.groupby("code", sort=False):
         steps = [int(x) for x in g["step"].dropna()] or [facts.first_step]

@@ -52,13 +52,30 @@ def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, fu
     return all(type(p) is torch.nn.Parameter for p in params)
 
 
+class NotReplayable(Exception):
+    """A kept micro-batch cannot be run again as it ran (its message says why)."""
+
+
 class _MicroBatch:
-    """What one forward of the root module needs to run again: references, no copies."""
-    __slots__ = ("args", "kwargs", "rng", "autocast", "grads")
+    """What one forward of the root module needs to run again: references, no copies, and the
+    version counters of the tensors among its arguments, which tell whether they still hold what
+    the forward saw (a loop that reuses one input buffer, ``x_buf.copy_(batch)``, overwrites them)."""
+    __slots__ = ("args", "kwargs", "rng", "autocast", "grads", "versions")
 
     def __init__(self, args: Any, kwargs: Any, rng: tuple, autocast: tuple) -> None:
         self.args, self.kwargs, self.rng, self.autocast = args, kwargs, rng, autocast
         self.grads: dict[int, torch.Tensor] = {}  # output position -> the gradient it received
+        self.versions = [(t, t._version) for t in _arg_tensors(args, kwargs)]
+
+    def check_unchanged(self, index: int) -> None:
+        for t, version in self.versions:
+            if t._version != version:
+                raise NotReplayable(f"an input of micro-batch {index} was changed in place after its forward "
+                                    f"(a reused input buffer?)")
+
+
+def _arg_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    return [t for t in probes.nested_tensors(args)] + [t for t in probes.nested_tensors(kwargs)]
 
 
 def _grad_outputs(output: Any) -> list[torch.Tensor]:
@@ -149,9 +166,12 @@ class Replayer:
         True when the replay reproduced the skip: some parameter gradient came out non-finite, and
         no micro-batch whose outputs' gradients were non-finite (a non-finite loss) made finite
         outputs this time (a few reads per micro-batch: syncs, on a skipped step only). Parameters'
-        ``.grad``, buffers and RNG states are left as they were."""
+        ``.grad``, buffers and RNG states are left as they were. Raises :class:`NotReplayable`, before
+        running anything, when a kept input was changed in place since its forward."""
         if self.broken or not self.batches:
             return False
+        for index, batch in enumerate(self.batches):  # before anything runs: raises NotReplayable
+            batch.check_unchanged(index)
         trainable = [p for p in params if p.requires_grad]
         kept = [p.grad for p in trainable]  # nested backward passes (reentrant checkpointing) accumulate
         reproduced = unfaithful = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import math
+import numbers
 import logging
 import sys
 import time
@@ -81,6 +82,7 @@ class Watch:
         self.model, self.optimizer, self.scaler = model, _unwrap_optimizer(optimizer), scaler
         self.closed = False
         self._failed = False
+        self._bad_log_keys: set[str] = set()  # watch.log keys already warned about
         self._handles: list[Any] = []
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
         self._clip_noticed = False         # the clip-before-unscale notice is written once per run
@@ -204,6 +206,11 @@ class Watch:
             self._failed = True
             warnings.warn(f"ampwatch stopped recording {str(getattr(self, 'path', ''))!r}: "
                           f"{type(exc).__name__}: {exc}. Training continues.", RuntimeWarning, stacklevel=3)
+            writer = getattr(self, "writer", None)
+            if writer is not None and writer.failure is None and not self.closed:  # the file says so too
+                writer.put_notice(self.step, "recording-stopped",
+                                  f"ampwatch stopped recording at step {self.step} ({type(exc).__name__}: {exc}): "
+                                  f"later steps are not in this file")
         if self.observer is not None:
             self.observer.remove()
         if self.replayer is not None:
@@ -321,6 +328,8 @@ class Watch:
         reproduced, why = False, ("state the model keeps in Python, or a fault outside the model's outputs")
         try:
             reproduced = self.replayer.replay(self._params)
+        except replay.NotReplayable as exc:
+            why = str(exc)
         except Exception as exc:  # a model that cannot run again this way (reentrant checkpointing
             why = f"{type(exc).__name__}: {exc}"  # refuses autograd.grad): observe it live instead
         finally:
@@ -399,7 +408,14 @@ class Watch:
         if self._failed or self.closed:
             return
         for key, value in scalars.items():
-            if key == "loss" and isinstance(value, (torch.Tensor, float, int)):
+            problem = _not_a_scalar(value, allow_many=key == "loss")
+            if problem is not None:  # told at the call, once per key; the rest is recorded
+                if key not in self._bad_log_keys:
+                    self._bad_log_keys.add(key)
+                    warnings.warn(f"ampwatch: watch.log({key}=...) ignored: expected a number or a one-element "
+                                  f"tensor, got {problem}", RuntimeWarning, stacklevel=2)
+                continue
+            if key == "loss":
                 self.state.logged_losses.append(value.detach() if isinstance(value, torch.Tensor)
                                                 else torch.tensor(float(value), device=self._device))
             else:
@@ -465,6 +481,18 @@ class _AutocastProbe:
 never_a_frame_of_its_own(_AutocastProbe.__call__)
 
 _open_watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+
+
+def _not_a_scalar(value: Any, allow_many: bool = False) -> Optional[str]:
+    """What is wrong with a value given to ``watch.log`` (None when it is a number or a one-element
+    tensor; ``allow_many``: a tensor of any size, as a loss is averaged)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            return "a complex tensor"
+        return None if allow_many or value.numel() == 1 else f"a tensor of {value.numel()} elements"
+    if isinstance(value, numbers.Real):
+        return None
+    return type(value).__name__
 
 
 @atexit.register
