@@ -180,7 +180,7 @@ def export(path: str, fmt: str, out: str) -> None:
                 df.to_parquet(file, index=False)
         except OSError as exc:  # a folder in the file's place, a full disk
             raise OutputError(f"cannot write {str(file)!r} ({exc.strerror or exc}): "
-                              "free some space or pass another --out folder") from None
+                              "pass another --out folder, or make room for the file there") from None
         click.echo(f"wrote {file} ({len(df)} rows)")
 
 
