@@ -22,7 +22,8 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     :param optimizer: its optimizer (wrapped optimizers such as Accelerate's are unwrapped).
     :param scaler: the ``GradScaler``, or None for bf16/fp32 (then ``watch.log(loss=loss)``).
     :param path: run file; default ``runs/<name or timestamp>.sqlite`` (numbered if it exists).
-        An explicit path that exists is refused (:class:`RunError`) unless ``overwrite=True``;
+        An explicit path that exists is refused (:class:`RunError`) unless ``overwrite=True``
+        (a folder always is);
         ``watch.path`` is where the run went. ``{rank}`` is filled in; several ranks sharing one
         path get ``.rank<N>`` files.
     :param name: run name (default: the file's stem).
