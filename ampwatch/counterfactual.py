@@ -10,7 +10,10 @@ How it stays out of training's way:
 
 * During the step, :class:`InputKeeper` holds a reference to each hooked module's latest forward
   inputs (one dict slot per module, replaced on the next call, cleared at the step's end: no list
-  grows; fed by the eager pre-hooks of :class:`~ampwatch.record.observe.ModuleObserver`). No copy is made and nothing is read: on clean steps it costs a dict store per module call.
+  grows; fed by the eager forward hooks of :class:`~ampwatch.record.observe.ModuleObserver`, which
+  receive the arguments the module ran on, after any pre-hook replaced them). No copy is made and
+  nothing is read: on clean steps it costs a dict store per module call. Without free reads the slot
+  holds the last micro-batch's call: an origin born in an earlier micro-batch gets no recompute.
   Memory: inputs that autograd would have freed during backward stay alive until the step ends. Most
   are saved for backward anyway (a Linear keeps its input); the extra is the inputs of modules whose
   backward does not need them (elementwise, residual containers): at most one forward's activations.
@@ -86,7 +89,7 @@ class InputKeeper:
         """Called by the observer's pre-hook with the call's floating tensors (already listed)."""
         if index not in self._pinned:  # one input (most modules): no comprehension frame
             versions = [tensors[0]._version] if len(tensors) == 1 else [t._version for t in tensors]
-            self._inputs[index] = (args, kwargs, versions, tensors)
+            self._inputs[index] = (args, kwargs, versions, tensors, self._observer.root_calls - 1)
 
     def settle(self, index: int) -> None:
         """Module ``index``'s call just made a non-finite output (host path: reads are free)."""
@@ -100,12 +103,18 @@ class InputKeeper:
         self._inputs.clear()
         self._pinned.clear()
 
-    def recompute(self, index: int) -> Optional[float]:
-        """Max |output| of module ``index`` run again in fp32 on its kept inputs, or None."""
+    def recompute(self, index: int, micro_batch: Optional[int] = None) -> Optional[float]:
+        """Max |output| of module ``index`` run again in fp32 on its kept inputs, or None.
+
+        ``micro_batch``: the one whose call made the non-finite output. Unpinned (no free reads),
+        the kept inputs are the module's latest call's, from the step's last micro-batch: when the
+        overflow was in an earlier one, they are not the inputs that overflowed, so None."""
         kept = self._inputs.get(index)
         if kept is None:
             return None
-        args, kwargs, versions, _ = kept
+        args, kwargs, versions, _, kept_batch = kept
+        if index not in self._pinned and micro_batch is not None and max(kept_batch, 0) != micro_batch:
+            return None
         if _versions(args, kwargs) != versions:
             return None  # modified in place since the call: not the inputs it saw
         module = self._observer.modules[index]
@@ -163,4 +172,4 @@ def check_step(observer: ModuleObserver, skipped: bool) -> None:
     observer.fp32_checked = True
     origin = observer.forward_origin(observer.names)
     if origin is not None:
-        observer.fp32_amax[origin] = keeper.recompute(origin)
+        observer.fp32_amax[origin] = keeper.recompute(origin, observer.bad_micro_batch(origin))

@@ -248,6 +248,11 @@ def test_a_step_the_replay_cannot_reproduce_says_so_and_later_steps_are_observed
     from ampwatch.doctor import diagnose
     findings = {f.id: f for f in diagnose(run)}
     assert findings["misuse-replay-not-reproduced"].severity == "info"
+    # step 2 was not localized: the loss is where the run first sees it, not its root cause
+    origin = findings["nonfinite-origin"]
+    assert origin.steps[0] == 2 and origin.title.startswith("Loss became")
+    assert "step 2 was not localized" in origin.evidence and "not localized" in origin.advice
+    assert "Compute the loss in fp32" not in origin.advice
 
 
 def test_compiled_training_replays_a_skipped_step_in_eager(tmp_path):

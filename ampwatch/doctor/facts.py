@@ -167,6 +167,28 @@ class Facts:
         i = np.clip(np.searchsorted(all_steps, steps), 0, len(all_steps) - 1)
         return np.where(all_steps[i] == steps, self.steps["loss_scale"].to_numpy(dtype=float)[i], np.nan)
 
+    def unlocalized(self, step: int) -> Optional[str]:
+        """Why the module where step ``step``'s non-finite values were born is unknown, or None
+        when the step was localized (its module values were recorded)."""
+        if not self.info.get("localize"):
+            return "recorded with localize=False"
+        n = self.notices
+        if len(n) and ((n["code"] == "replay-not-reproduced") & (n["step"] == step)).any():
+            return "the replay of this skipped step did not localize it (notice replay-not-reproduced)"
+        if self._conn.execute("SELECT 1 FROM modules WHERE step = ? LIMIT 1", (step,)).fetchone() is None:
+            return "no module values were recorded at it"
+        return None
+
+    def last_good_step(self, before: int) -> Optional[int]:
+        """The last step before ``before`` whose loss was finite and whose update was applied (not
+        skipped): the latest state known to have trained normally. None when no step qualifies or
+        the loss was not logged."""
+        if not self.has_loss:
+            return None
+        s = self.steps
+        ok = s[(s["step"] < before) & ~s["skipped"] & np.isfinite(s["loss"].to_numpy(dtype=float))]
+        return int(ok["step"].iloc[-1]) if len(ok) else None
+
     def after_warmup(self) -> pd.DataFrame:
         """Steps after the warm-up and before a diverged tail: where health is judged."""
         start = self.warmup.last + 1 if self.warmup else self.first_step

@@ -11,6 +11,8 @@ from typing import Any, Optional
 SEVERITIES = ("error", "warning", "info")
 
 FP16_MAX = 65504.0
+# The largest finite value of each autocast dtype (torch.finfo(dtype).max), by the name events store.
+DTYPE_MAX = {"float16": FP16_MAX, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
 
 
 @dataclass(frozen=True)

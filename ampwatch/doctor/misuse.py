@@ -84,6 +84,36 @@ def misuse_clip_scaled(facts: Facts) -> list[Finding]:
     return out
 
 
+def _steps_text(steps: list[int], limit: int = 8) -> str:
+    shown = ", ".join(f"{x:,}" for x in steps[:limit])
+    return shown + (f" and {len(steps) - limit:,} more" if len(steps) > limit else "")
+
+
+def clip_evidence(facts: Facts, noticed: list[int], once: bool = False) -> tuple[str, int]:
+    """(evidence, last affected step) for clip-before-unscale notices. The recorder checks on the
+    layer_every steps that were not skipped (a skipped step's gradients are not finite to compare)
+    and writes a notice on each that shows the gradients shrinking: when every check from the first
+    notice on shows it, the loop does it on every step, to the run's last. ``once``: a run recorded
+    before that, whose recorder wrote one notice and then stopped checking."""
+    if once:
+        return (f"the recorder saw the gradients shrink without scaler.unscale_ at step {noticed[0]:,}; it noted "
+                f"this once per run then, so later steps were not checked"), noticed[0]
+    every = int(facts.info.get("layer_every") or 0)
+    s = facts.steps
+    first = noticed[0]
+    steps = s["step"].to_numpy()
+    checked = ([int(x) for x in steps[(steps >= first) & ~s["skipped"].to_numpy() & (steps % every == 0)]]
+               if every else [])
+    if every and len(checked) > 1 and set(checked) <= set(noticed):
+        return (f"the recorder saw the gradients shrink without scaler.unscale_ on every step it checked from step "
+                f"{first:,} on ({len(checked):,} checks, one every layer_every={every} steps: "
+                f"{_steps_text(checked)}): the loop clips scaled gradients on every step, steps "
+                f"{first:,}-{facts.last_step:,}"), facts.last_step
+    of = f" of {len(checked):,} checked (every layer_every={every} steps)" if every and len(checked) > 1 else ""
+    return (f"the recorder saw the gradients shrink without scaler.unscale_ at {len(noticed):,} step(s){of}: "
+            f"{_steps_text(noticed)}"), noticed[-1]
+
+
 def misuse_notices(facts: Facts) -> list[Finding]:
     """Warnings for misuse the recorder noticed while recording (notices table)."""
     n = facts.notices
@@ -102,12 +132,14 @@ def misuse_notices(facts: Facts) -> list[Finding]:
                                    "message, and attach again (strict=True raises it where it happens)."}
     out = []
     for code, g in n.groupby("code", sort=False):
-        steps = [int(x) for x in g["step"].dropna()] or [facts.first_step]
+        steps = sorted({int(x) for x in g["step"].dropna()}) or [facts.first_step]
         first, last = min(steps), max(steps)
+        evidence = f"recorder notice '{code}' at {len(g):,} step(s): {span(first, last)}"
+        if code == "clip-before-unscale":
+            evidence, last = clip_evidence(facts, steps, once=" at step " not in str(g["message"].iloc[0]))
         out.append(facts.finding(
             f"misuse-{code}", "info" if code == "replay-not-reproduced" else "warning",
-            str(g["message"].iloc[0]), first, last,
-            f"recorder notice '{code}' at {len(g):,} step(s): {span(first, last)}",
+            str(g["message"].iloc[0]), first, last, evidence,
             advice.get(code, "See the message: the recorder saw the training loop use the scaler "
                              "in an unexpected order."), jump=facts.jump(first, last)))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .finding import FP16_MAX, Finding, num, span
+from .finding import DTYPE_MAX, FP16_MAX, Finding, num, span
 from .facts import Facts
 from .origins import origin_advice
 
@@ -151,20 +151,32 @@ def _serious_events(facts: Facts) -> pd.DataFrame:
 _PHASE_RANK = {"forward": 0, "backward": 1, "loss": 2, "param_grad": 3}
 
 
-def fp32_verdict(e: pd.Series, dtype: str) -> tuple[str, str]:
-    """(evidence, advice) from the fp32 recompute of a forward origin; ("", "") when none was done."""
+def fp32_verdict(e: pd.Series, dtype: str) -> tuple[str, str, bool]:
+    """(evidence, advice, decided) from the fp32 recompute of a forward origin. ``decided`` is False
+    when there is no verdict: no recompute was done, or it did not reproduce the non-finite values
+    (finite and within ``dtype``'s largest finite value, ``DTYPE_MAX``: what acted on the call differs
+    from the recompute, or the dtype's rounding rather than its range made them); the advice is
+    then empty."""
     amax = e.get("fp32_amax")
     if e["phase"] != "forward" or amax is None:
-        return "", ""
+        return "", "", False
     module = e["module"]
-    if amax == amax and amax != float("inf"):
-        return (f"; recomputed in fp32 on the same inputs it is finite (max {num(amax)}): {dtype}'s range is the "
-                f"problem", f"Keep {module} in fp32 (torch.autocast(device_type, enabled=False) around it, input "
-                            f"cast by .float()) or use bf16 autocast: the values are real, only {dtype} cannot hold them")
-    what = "NaN" if amax != amax else "inf"
-    return (f"; recomputed in fp32 on the same inputs it is {what} too: not a precision problem",
-            f"Not a precision problem: {module}'s weights or inputs are broken, or the operation itself makes "
-            f"{what} (0/0, log or sqrt of a negative, inf-inf); more precision will not help, find what broke them")
+    limit = DTYPE_MAX.get(dtype, FP16_MAX)
+    if amax != amax or amax == float("inf"):
+        what = "NaN" if amax != amax else "inf"
+        return (f"; recomputed in fp32 on the same inputs it is {what} too: not a precision problem",
+                f"Not a precision problem: {module}'s weights or inputs are broken, or the operation itself makes "
+                f"{what} (0/0, log or sqrt of a negative, inf-inf); more precision will not help, find what broke "
+                f"them", True)
+    if amax > limit:
+        return (f"; recomputed in fp32 on the same inputs it is finite (max {num(amax)}, beyond {dtype}'s "
+                f"{num(limit)}): {dtype}'s range is the problem",
+                f"Keep {module} in fp32 (torch.autocast(device_type, enabled=False) around it, input "
+                f"cast by .float()) or use bf16 autocast: the values are real, only {dtype} cannot hold them", True)
+    return (f"; recomputed in fp32 on the inputs kept from its call its max |output| is only {num(amax)}, "
+            f"which {dtype} holds: the recompute did not reproduce it (a forward hook that changes the "
+            f"module's output is not re-run, its inputs may have been replaced, or {dtype}'s rounding rather "
+            f"than its range made the difference), so there is no fp32 verdict", "", False)
 
 
 def nonfinite_origin(facts: Facts) -> list[Finding]:
@@ -184,10 +196,15 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
             "loss": "the loss", "param_grad": f"the gradient of parameter {module}{facts.also(module)}"}[phase]
     count = f"{int(e['count']):,} " if pd.notna(e["count"]) else ""
     dtype = f", {e['dtype']}" if isinstance(e["dtype"], str) else ""
-    extra, advice = origin_advice(facts, module, phase, first, e["kind"])
-    verdict, fp32_advice = fp32_verdict(e, dtype=e["dtype"] if isinstance(e["dtype"], str) else "fp16")
+    dtype_name = e["dtype"] if isinstance(e["dtype"], str) else "float16"
+    extra, advice = origin_advice(facts, module, phase, first, e["kind"], dtype_name)
+    verdict, fp32_advice, decided = fp32_verdict(e, dtype=dtype_name)
     if fp32_advice and not extra:  # an overwritten weight is the more specific cause: its advice stays
         advice = fp32_advice
+    elif verdict and not decided and not extra and "nan" not in str(e["kind"]):  # recomputed, not reproduced
+        advice = (f"The fp32 recompute did not reproduce it, so this is not confirmed: first check what else acts "
+                  f"on {module} at step {first:,} (a forward hook that rescales its output, inputs replaced after "
+                  f"the call); if its values are real: " + advice[0].lower() + advice[1:])
     into = e.get("flows_into")
     where = (f"; made in {module}'s own code (between its children), flowing into {into}"
              if isinstance(into, str) else "")

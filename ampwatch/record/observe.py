@@ -460,6 +460,15 @@ class ModuleObserver:
         if first and self._first is not None:
             self._first.fill_(-1.0)
 
+    def bad_micro_batch(self, index: int) -> int:
+        """The micro-batch in which module ``index``'s output first went non-finite this step (the
+        last one when unmarked). Reads one mark: a sync where reads are not free (bad steps only)."""
+        last = max(self.root_calls - 1, 0)
+        if not self._first_used or self._first is None:
+            return last
+        mark = float(self._first[ROLES * index + OUT])
+        return int(mark) if mark >= 0 else last
+
     def _mark_micro_batch(self, finished: int) -> None:
         """Root call ``finished + 1`` starts: slots non-finite by now and not yet marked went bad in
         micro-batch ``finished``. A slot is bad when min < -inf is false or max < inf is false (NaN
@@ -624,8 +633,8 @@ class ModuleObserver:
             if self.root_calls:
                 self._mark_micro_batch(self.root_calls - 1)
             self.root_calls += 1
-        if self.keeper is not None:
-            self.keeper.keep(index, args, kwargs, tensors)
+        # (the keeper keeps this call's inputs in the forward hook: the args the module ran on, after
+        # any pre-hook registered after ours replaced them)
         call = self._call_of[index] = self._call_of.get(index, -1) + 1
         inplace = index in self._inplace
         if inplace:
@@ -659,6 +668,8 @@ class ModuleObserver:
             tensors = None
             if index in self._pre:
                 call = self._call_of.get(index, 0)
+                if self.keeper is not None and index not in self._inplace:  # in place: its input changed
+                    self.keeper.keep(index, args, kwargs, _inputs(args, kwargs))
             else:
                 call = self._call_of[index] = self._call_of.get(index, -1) + 1
                 tensors = _inputs(args, kwargs)

@@ -85,7 +85,6 @@ class Watch:
         self._bad_log_keys: set[str] = set()  # watch.log keys already warned about
         self._handles: list[Any] = []
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
-        self._clip_noticed = False         # the clip-before-unscale notice is written once per run
         self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
         self._trigger: Optional[BackwardEnd] = None
@@ -287,13 +286,16 @@ class Watch:
         self.state.scale_calls += 1
 
     def on_unscaled(self, inside_step: bool) -> None:
-        if inside_step and not self._clip_noticed and self._detail_step():  # the user did not unscale_ first
+        # the user did not unscale_ first. Checked on every layer_every step (two host reads, right
+        # before scaler.step syncs anyway), a notice on each that shows it: the doctor tells a loop
+        # that always clips scaled gradients from one that did it once
+        if inside_step and self._detail_step():
             shrank = self.grads.shrank()
             if shrank is not None:
-                self._clip_noticed = True
                 self.writer.put_notice(self.step, "clip-before-unscale",
                                        f"gradients shrank {shrank[0] / shrank[1]:.3g}x between backward and "
-                                       f"scaler.step without scaler.unscale_: clipped while still scaled?")
+                                       f"scaler.step without scaler.unscale_ at step {self.step}: clipped while "
+                                       f"still scaled?")
         self.grads.measure(self._detail_step())
 
     def before_scaler_step(self) -> None:

@@ -1,0 +1,231 @@
+"""Defects a user review found in the doctor, each on a real run: fp16 autocast on the CPU with a real
+GradScaler, a fault with a known ground truth (computed here, from the training loop's side), and
+the doctor's words checked against it.
+
+* the fp32 verdict says "fp16's range" only when the fp32 recompute is beyond fp16's range;
+* the recompute runs on the inputs the module actually received (a user's pre-hook that replaces
+  them; on the accelerator path, not the last micro-batch's inputs when an earlier one overflowed);
+* NaN born in a Linear without an fp32 verdict is "undetermined, likely an overflow", not "add an eps";
+* an overwritten weight's advice names a checkpoint the run had (the last good step);
+* clipping before unscale_ is reported on every affected step;
+* a step a replay could not localize does not make the loss its root cause (in tests/test_replay.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ampwatch
+from ampwatch.doctor import diagnose
+from loops import amp_step, data
+
+FP16_MAX = 65504.0
+
+
+def _origin(findings):
+    return next(f for f in findings if f.id == "nonfinite-origin")
+
+
+def _origin_event(run):
+    ev = run.events
+    return ev[ev["origin"] & (ev["phase"] == "forward")].iloc[0]
+
+
+def _train(path, model, steps, *, before_step=None, accum=1, clip_scaled_until=-1, **options):
+    """fp16 autocast + GradScaler("cpu") over ``steps``; ``before_step(step)`` runs first each step.
+    ``clip_scaled_until``: clip the still-scaled gradients (no unscale_) on steps up to it."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    with ampwatch.attach(model, opt, scaler, path=str(path), **options) as watch:
+        for step in range(steps):
+            if before_step is not None:
+                before_step(step)
+            x, y = data(step, 8 * accum)
+            if step <= clip_scaled_until:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # still scaled: the misuse
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            else:
+                amp_step(model, opt, scaler, x, y, accum=accum)
+    return ampwatch.load(watch.path)
+
+
+# -- 1. the fp32 verdict and the inputs it is recomputed on --------------------------------------------
+
+def test_a_recompute_that_fits_fp16_is_not_called_fp16s_range(tmp_path):
+    """A user forward hook multiplies fc's output by 1e5 at step 3 (as the overflow_storm sample
+    does): fc's own forward, recomputed in fp32, is small, so the overflow is not reproduced."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    state, seen = {"step": -1}, {}
+
+    def amplify(module, args, output):
+        if state["step"] == 3:
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):  # the truth: fc in fp32
+                seen["fp32"] = float(F.linear(args[0].float(), module.weight.float(), module.bias.float()).abs().max())
+            return output * 1e5
+
+    model[0].register_forward_hook(amplify, prepend=True)  # before ampwatch's: the recording sees it
+    run = _train(tmp_path / "hook.sqlite", model, 5, before_step=lambda s: state.update(step=s))
+    e = _origin_event(run)
+    assert (e["step"], e["module"]) == (3, "0")
+    assert e["fp32_amax"] == pytest.approx(seen["fp32"], rel=1e-3) and seen["fp32"] < FP16_MAX
+    origin = _origin(diagnose(run))
+    assert "range is the problem" not in origin.evidence
+    assert "did not reproduce it" in origin.evidence and "no fp32 verdict" in origin.evidence
+    assert "only float16 cannot hold them" not in origin.advice
+    assert "did not reproduce" in origin.advice and "forward hook" in origin.advice
+
+
+class Root(nn.Module):
+    """Makes its overflow in its own code: fc's output times 1e4 (fp16 holds it while |fc| < 6.5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x) * 1e4
+
+
+def test_the_recompute_uses_the_inputs_a_users_pre_hook_gave_the_module(tmp_path):
+    """The root has ampwatch's own pre-hook; a user's pre-hook, registered after attach, replaces
+    its input (x100) at step 2. The recompute must see the replaced input: beyond fp16 in fp32."""
+    model, state, seen = Root(), {"step": -1}, {}
+
+    def scale_input(module, args):
+        if state["step"] == 2:
+            x = args[0] * 100
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                seen["fp32"] = float((F.linear(x.float(), module.fc.weight, module.fc.bias) * 1e4).abs().max())
+            return (x,)
+
+    def before(step):
+        state["step"] = step
+        if step == 0:  # attach has registered its hooks by now: ours runs after them
+            model.register_forward_pre_hook(scale_input)
+
+    run = _train(tmp_path / "pre.sqlite", model, 4, before_step=before)
+    e = _origin_event(run)
+    assert (e["step"], e["module"]) == (2, "<model>")
+    assert seen["fp32"] > FP16_MAX
+    assert e["fp32_amax"] == pytest.approx(seen["fp32"], rel=1e-3)  # before the fix: ~1/100 of it
+    origin = _origin(diagnose(run))
+    assert "range is the problem" in origin.evidence and "beyond float16's 65,504" in origin.evidence
+
+
+class PreScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("path", ["host", "accelerator"])
+def test_an_overflow_in_an_earlier_micro_batch_is_recomputed_on_its_inputs_or_not_at_all(tmp_path, monkeypatch, path):
+    """3 micro-batches, fc1's input x1e5 in micro-batch 1 of step 2 (a user pre-hook on fc1). On
+    the host path the kept inputs are that call's: the fp32 recompute is beyond fp16. On the
+    accelerator path (no free reads) only the last micro-batch's inputs are kept: no recompute,
+    where it used to recompute the clean micro-batch 2 and call it fp16's range."""
+    if path == "accelerator":
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    else:
+        monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    model, state, seen = PreScaled(), {"step": -1, "call": 0}, {}
+
+    def pre(module, args):
+        state["call"] += 1
+        if state["step"] == 2 and state["call"] == 2:  # micro-batch 1
+            x = args[0] * 1e5
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                seen["fp32"] = float(F.linear(x.float(), module.weight, module.bias).abs().max())
+            return (x,)
+
+    model.fc1.register_forward_pre_hook(pre)
+    run = _train(tmp_path / f"mb_{path}.sqlite", model, 4, accum=3, replay=False,
+                 before_step=lambda s: state.update(step=s, call=0))
+    e = _origin_event(run)
+    assert (e["step"], e["module"], e["micro_batch"]) == (2, "fc1", 1)
+    origin = _origin(diagnose(run))
+    if path == "host":
+        assert e["fp32_amax"] == pytest.approx(seen["fp32"], rel=1e-3) and seen["fp32"] > FP16_MAX
+        assert "range is the problem" in origin.evidence
+    else:
+        assert e["fp32_amax"] is None
+        assert "range is the problem" not in origin.evidence and "recomputed" not in origin.evidence
+
+
+# -- 2. NaN in a Linear without a verdict -----------------------------------------------------------
+
+def test_nan_in_a_linear_without_an_fp32_verdict_names_overflow_not_an_eps(tmp_path):
+    """An input row x1e5 at step 3: finite in fp32, inf once autocast casts it to fp16 inside fc1,
+    whose sums then make inf - inf = NaN. fp32_check=False: no verdict."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    state = {"step": -1}
+
+    def outlier(module, args):
+        if state["step"] == 3:
+            x = args[0].clone()
+            x[0] *= 1e7  # every element of the row beyond 65504: each sum is inf - inf
+            return (x,)
+
+    model.register_forward_pre_hook(outlier)
+    run = _train(tmp_path / "nan.sqlite", model, 5, fp32_check=False, before_step=lambda s: state.update(step=s))
+    e = _origin_event(run)
+    assert (e["step"], e["module"], e["kind"]) == (3, "0", "nan") and e["fp32_amax"] is None
+    origin = _origin(diagnose(run))
+    assert origin.advice.startswith("Cause undetermined")
+    assert "0 is a Linear, so the likely cause is an overflow" in origin.advice
+    assert "An operation inside" not in origin.advice
+
+
+# -- 3. the checkpoint to restore an overwritten weight from -------------------------------------------
+
+def test_an_overwritten_weight_is_restored_from_the_last_good_step(tmp_path):
+    """fc1's weight x1e6 before step 13's forward; layer rows every 10 steps (0, 10, ...): the
+    last step with a finite loss and an applied update is 12, the last normal norm is step 10."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def corrupt(step):
+        if step == 13:
+            with torch.no_grad():
+                model[0].weight.mul_(1e6)
+
+    run = _train(tmp_path / "w.sqlite", model, 16, layer_every=10, before_step=corrupt)
+    s = run.steps
+    ok = s[(s["step"] < 13) & ~s["skipped"].astype(bool) & s["loss"].notna()]
+    assert int(ok["step"].max()) == 12  # the truth, from the steps the run recorded
+    origin = _origin(diagnose(run))
+    assert origin.steps[0] == 13 and "0.weight" in origin.advice
+    assert "saved by the end of step 12" in origin.advice and "measured normal at step 10" in origin.advice
+    assert "before step 0" not in origin.advice
+
+
+# -- 4. clipping still-scaled gradients: every affected step -----------------------------------------
+
+@pytest.mark.parametrize("until", [11, 4])
+def test_clip_before_unscale_covers_every_step_it_happened(tmp_path, until):
+    """The loop clips before unscale_ on steps 0..until, then unscales first; the recorder checks
+    on layer_every=2 steps. 11 (every step of 12): from step 0 on, every step, to step 11."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    run = _train(tmp_path / f"clip{until}.sqlite", model, 12, layer_every=2, clip_scaled_until=until)
+    noticed = sorted(int(x) for x in run.notices.loc[run.notices["code"] == "clip-before-unscale", "step"])
+    assert noticed == [s for s in range(0, until + 1, 2)]
+    f = next(f for f in diagnose(run) if f.id == "misuse-clip-before-unscale")
+    if until == 11:
+        assert f.steps == (0, 11) and "on every step it checked from step 0 on (6 checks" in f.evidence
+    else:
+        assert f.steps == (0, 4) and "at 3 step(s) of 6 checked" in f.evidence
