@@ -22,7 +22,8 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     :param optimizer: its optimizer (wrapped optimizers such as Accelerate's are unwrapped).
     :param scaler: the ``GradScaler``, or None for bf16/fp32 (then ``watch.log(loss=loss)``).
     :param path: run file; default ``runs/<name or timestamp>.sqlite`` (numbered if it exists).
-        An explicit path that exists is refused (:class:`RunError`) unless ``overwrite=True``;
+        An explicit path that exists is refused (:class:`RunError`) unless ``overwrite=True``
+        (a folder always is);
         ``watch.path`` is where the run went. ``{rank}`` is filled in; several ranks sharing one
         path get ``.rank<N>`` files.
     :param name: run name (default: the file's stem).
@@ -30,10 +31,17 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``overwrite``
         (see README).
 
+    A wrong option value raises :class:`ampwatch.errors.OptionError` (a ValueError); an argument of
+    the wrong type (model, optimizer, scaler, path, name, config) raises
+    :class:`ampwatch.errors.ArgumentTypeError` (an OptionError and a TypeError); a path that names
+    a folder raises :class:`ampwatch.errors.RunPathIsFolderError` (a RunError). One line each.
+
     Cost: a few device ops and one device-to-host transfer per optimizer step (non-blocking on
     CUDA); disk writes happen on a background thread.
     """
     from .record.watch import Watch
+    from .settings import check_arguments
+    check_arguments(model, optimizer, scaler, name, config)
     return Watch(model, optimizer, scaler, path=path, name=name, config=config, **options)
 
 
@@ -45,9 +53,17 @@ def load(path: Any) -> "Run":
 
 def diagnose(run: Any) -> list:
     """Findings (id, severity, title, steps, evidence, advice) for a :class:`Run` or a path."""
+    import os
     from .doctor import diagnose as _diagnose
+    from .userpath import short_repr
     # hasattr on the type: on a Run, hasattr(run, "steps") would read the whole steps table.
-    return _diagnose(run if not isinstance(run, (str, bytes)) and hasattr(type(run), "steps") else load(run))
+    is_path = isinstance(run, (str, bytes, os.PathLike))
+    if not is_path and hasattr(type(run), "steps"):
+        return _diagnose(run)
+    if not is_path:
+        raise RunError(f"ampwatch.diagnose needs a Run (from ampwatch.load) or a run file path, got "
+                       f"{type(run).__name__} {short_repr(run)}")
+    return _diagnose(load(run))
 
 
 def load_group(folder_or_glob: Any, job: Optional[str] = None) -> "RunGroup":

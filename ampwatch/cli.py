@@ -5,12 +5,13 @@ import json
 import math
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import click
 
-from .errors import RunError
+from .errors import OutputError, RunError
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -28,11 +29,28 @@ def _load(path: str):
     return Run(path)
 
 
+def _output_folder(out: str) -> Path:
+    """``out``, created if missing and proved writable (one throwaway file), else one OutputError
+    line: checked before any work, so a bad --out costs nothing and leaves nothing half-written."""
+    if not out:  # Path("") would be the current folder
+        raise OutputError("--out is empty: pass the folder to write into (it is created if missing)")
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise OutputError(f"--out {out!r} is a file, not a folder: pass a folder (it is created if missing)")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=target).close()
+    except OSError as exc:
+        raise OutputError(f"cannot write into --out {out!r} ({exc.strerror or exc}): "
+                          "pass a folder you can write to") from None
+    return target
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except RunError as exc:  # the one-line contract for bad input
+        except (RunError, OutputError) as exc:  # the one-line contract for bad input
             click.echo(f"ampwatch: {exc}", err=True)
             ctx.exit(2)
 
@@ -63,7 +81,8 @@ def summary(path: str) -> None:
     """
     from .summary import summarize
     if not Path(path).is_dir():
-        _print_summary(summarize(_load(path)))
+        run = _load(path)
+        click.echo(_summary_text(summarize(run), run.path.name))
         return
     from .group import load_groups
     from .groupreport import format_job_summary
@@ -80,14 +99,16 @@ def summary(path: str) -> None:
         else:
             for u in group.unreadable:  # the other runs are still summarised
                 click.echo(f"ampwatch: {u.reason}", err=True)
-            blocks.append(_summary_text(summarize(_load(str(next(iter(group.paths.values())))))))
+            run = _load(str(next(iter(group.paths.values()))))
+            blocks.append(_summary_text(summarize(run), run.path.name))
     click.echo("\n\n".join(blocks))
     sys.exit(status)
 
 
-def _summary_text(s: dict) -> str:
+def _summary_text(s: dict, file: str) -> str:
+    """``file``: the run file's name; a run's name need not be its file's (a renamed copy)."""
     return "\n".join([
-        f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})",
+        f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})  file {file}",
         f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)",
         f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}",
         f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}",
@@ -96,10 +117,6 @@ def _summary_text(s: dict) -> str:
         f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
         f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}"]
         + [f"{'crashed' if i == 0 else '':<8} {line}" for i, line in enumerate(s.get("error_tail") or [])])
-
-
-def _print_summary(s: dict) -> None:
-    click.echo(_summary_text(s))
 
 
 @cli.command(name="ls")
@@ -127,14 +144,16 @@ def ls_(folder: str) -> None:
         except RunError as exc:
             click.echo(f"{path.name:<28} unreadable: {exc}")
             continue
-        click.echo(f"{s['name']:<28} {s['status']:<12} {s['steps']:>8} {s['skipped_pct']:>9.1f} "
+        # a renamed copy keeps its run's name: say which file it is
+        name = s["name"] if path.stem == s["name"] else f"{s['name']} ({path.name})"
+        click.echo(f"{name:<28} {s['status']:<12} {s['steps']:>8} {s['skipped_pct']:>9.1f} "
                    f"{_fmt(s['loss_last']):>10}  {verdict}")
 
 
 @cli.command()
 @click.argument("path")
 @click.option("--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True)
-@click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="folder to write into")
+@click.option("--out", "out", required=True, help="folder to write into (created if missing)")
 def export(path: str, fmt: str, out: str) -> None:
     """Write a run's steps, layers, modules, events and metrics as CSV or Parquet files.
 
@@ -143,8 +162,7 @@ def export(path: str, fmt: str, out: str) -> None:
         ampwatch export runs/exp1.sqlite --format csv --out exported/
     """
     run = _load(path)
-    target = Path(out)
-    target.mkdir(parents=True, exist_ok=True)
+    target = _output_folder(out)
     if fmt == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -155,15 +173,19 @@ def export(path: str, fmt: str, out: str) -> None:
     for table in ("steps", "layers", "modules", "events", "metrics"):
         df = getattr(run, table)
         file = target / f"{stem}_{table}.{fmt}"
-        if fmt == "csv":
-            df.to_csv(file, index=False)
-        else:
-            df.to_parquet(file, index=False)
+        try:
+            if fmt == "csv":
+                df.to_csv(file, index=False)
+            else:
+                df.to_parquet(file, index=False)
+        except OSError as exc:  # a folder in the file's place, a full disk
+            raise OutputError(f"cannot write {str(file)!r} ({exc.strerror or exc}): "
+                              "pass another --out folder, or make room for the file there") from None
         click.echo(f"wrote {file} ({len(df)} rows)")
 
 
 @cli.command()
-@click.option("--out", default="sample_runs", show_default=True, type=click.Path(file_okay=False))
+@click.option("--out", default="sample_runs", show_default=True, help="folder to write into (created if missing)")
 @click.option("--only", multiple=True, help="regenerate only these samples")
 def demo(out: str, only: tuple) -> None:
     """Regenerate the sample runs: real CPU training recorded by ampwatch (about a minute).
@@ -172,13 +194,18 @@ def demo(out: str, only: tuple) -> None:
     Example:
         ampwatch demo --out sample_runs
     """
+    target = _output_folder(out)  # before importing torch: a bad --out answers at once
     from .demo import SAMPLES, make_samples, total_steps
     names = list(only) or None
     unknown = [n for n in only if n not in SAMPLES]
     if unknown:
         raise click.BadParameter(f"unknown sample {unknown[0]!r}; choose from {', '.join(SAMPLES)}")
+    folders = [n for n in names or SAMPLES if (target / f"{n}.sqlite").is_dir()]
+    if folders:
+        where = str(target / f"{folders[0]}.sqlite")
+        raise OutputError(f"{where!r} is a folder, not a run file: move it away, or pass another --out")
     with click.progressbar(length=total_steps(names), label="training sample runs") as bar:
-        written = make_samples(Path(out), names, progress=bar.update)
+        written = make_samples(target, names, progress=bar.update)
     for path in written:
         click.echo(f"wrote {path}")
 

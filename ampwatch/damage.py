@@ -119,6 +119,43 @@ def _check(p: Path, version: tuple) -> tuple[str, ...]:
         conn.close()
 
 
+def header_size(path: Path) -> Optional[tuple[int, int]]:
+    """(page count, page size) from the SQLite header, or None where the header does not say.
+
+    Bytes 28-31 hold the page count and 16-17 the page size (1 means 65536); the count is valid only
+    while bytes 92-95 equal the change counter (24-27), as they do in every file SQLite >= 3.7 wrote."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(100)
+    except OSError:
+        return None
+    if len(head) < 100:
+        return None
+    size = int.from_bytes(head[16:18], "big")
+    size = 65536 if size == 1 else size
+    pages = int.from_bytes(head[28:32], "big")
+    valid = head[24:28] == head[92:96]
+    return (pages, size) if valid and pages and size >= 512 and size & (size - 1) == 0 else None
+
+
+def truncation_error(path: Path) -> Optional[RunError]:
+    """A RunError when ``path`` is shorter than its header says (a cut-short or partial copy), else None.
+
+    Only for a file with no non-empty ``-wal`` beside it: a live run keeps new pages there."""
+    said = header_size(path)
+    try:
+        actual = path.stat().st_size
+        wal = Path(f"{path}-wal").stat().st_size if Path(f"{path}-wal").exists() else 0
+    except OSError:
+        return None
+    if said is None or wal or actual >= said[0] * said[1]:
+        return None
+    pages, size = said
+    return RunError(f"{str(path)!r} is truncated: {actual:,} bytes, shorter than the {pages * size:,} its header "
+                    f"says ({pages:,} pages of {size:,}), so it is a cut-short or partial copy: copy the whole "
+                    f"file again, or {recover_hint(path)}")
+
+
 def read_error(path: Any, exc: BaseException) -> Optional[RunError]:
     """The one line for a failure while reading ``path``, or None when it is not the file's fault.
 
@@ -128,6 +165,9 @@ def read_error(path: Any, exc: BaseException) -> Optional[RunError]:
     p = Path(os.fspath(path))
     if not p.is_file():  # removed or replaced while we read it
         return RunError(f"{str(p)!r} disappeared while it was being read ({_first_line(exc)}): check the path")
+    truncated = truncation_error(p)  # cheap (100 bytes), and says more than "malformed"
+    if truncated is not None:
+        return truncated
     tables, said = damaged_tables(p), _first_line(exc)
     sqlite_error = isinstance(exc, _read_errors())
     if tables or (sqlite_error and any(w in said for w in ("malformed", "not a database", "corrupt"))):

@@ -9,5 +9,18 @@ class OptionError(ValueError):
     """An option passed to :func:`ampwatch.attach` is invalid."""
 
 
+class ArgumentTypeError(OptionError, TypeError):
+    """An argument of :func:`ampwatch.attach` has the wrong type (model, optimizer, scaler, path,
+    name). Also a TypeError, so code that caught the plain TypeError keeps working."""
+
+
 class RunExistsError(RunError, FileExistsError):
     """``attach(path=...)`` names a file that already exists (pass ``overwrite=True`` or a new path)."""
+
+
+class RunPathIsFolderError(RunError, IsADirectoryError):
+    """``attach(path=...)`` names a folder: a run is one file (``overwrite=True`` never replaces a folder)."""
+
+
+class OutputError(Exception):
+    """A file or folder the CLI was asked to write (``--out``) cannot be written."""

@@ -35,9 +35,11 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
+from .damage import truncation_error
 from .errors import RunError
 from .schema import STEP_NAN_BITS
 from .reader import RUN_SUFFIXES, Run, _check_schema, check_run_file, connect, effective_status
+from .userpath import path_text
 
 # Steps with NaN/Inf events kept one by one up to this many per rank (a run that is NaN for most
 # of its steps is sampled like the rest past it).
@@ -85,7 +87,7 @@ def _read_rank_file(path: Path) -> RankFile:
         if row is None:
             raise RunError(f"{str(p)!r} has no run row: it is not a complete ampwatch run")
         row = dict(row)
-        _check_length(conn, p)
+        _check_length(p)
         lo = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0]  # apart: together they scan
         hi = conn.execute("SELECT MAX(step) FROM steps").fetchone()[0]
         n = 0 if lo is None else hi - lo + 1  # steps are numbered without gaps
@@ -99,12 +101,11 @@ def _read_rank_file(path: Path) -> RankFile:
                     events, last_loss)
 
 
-def _check_length(conn: sqlite3.Connection, p: Path) -> None:
-    pages, size = conn.execute("PRAGMA page_count").fetchone()[0], conn.execute("PRAGMA page_size").fetchone()[0]
+def _check_length(p: Path) -> None:
     # a live run keeps new pages in its -wal file: only a file without one must hold them all
-    if not Path(f"{p}-wal").exists() and p.stat().st_size < pages * size:
-        raise RunError(f"{str(p)!r} is truncated ({p.stat().st_size:,} of {pages * size:,} bytes): "
-                       "the run cannot be read; copy the whole file again")
+    error = truncation_error(p)
+    if error is not None:
+        raise error
 
 
 # -- recognising jobs ---------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def _group_files(files: list[RankFile]) -> list[list[RankFile]]:
 
 def _expand(folder_or_glob: Any) -> list[Path]:
     """The run files a folder holds (directly), a glob matches, or the one file named."""
-    text = os.fspath(folder_or_glob)
+    text = path_text(folder_or_glob, RunError, "the folder, glob or run file", "runs/ddp_job")
     p = Path(text)
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in RUN_SUFFIXES)

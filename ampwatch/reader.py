@@ -15,6 +15,7 @@ import pandas as pd
 from .damage import guard, open_read_only, reads
 from .errors import RunError
 from .schema import LAYER_NAN_BITS, SCHEMA_VERSION, STEP_NAN_BITS
+from .userpath import path_text
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 RUN_SUFFIXES = (".sqlite", ".db", ".sqlite3")
@@ -24,7 +25,7 @@ STALE_AFTER_S = 30.0
 
 def check_run_file(path: Any) -> Path:
     """The path as a Path if it names a readable file that looks like SQLite, else RunError."""
-    p = Path(os.fspath(path))
+    p = Path(path_text(path, RunError, "the run file", "runs/exp1.sqlite"))
     if not p.exists():
         raise RunError(f"no run file at {str(p)!r}: check the path (runs are .sqlite files)")
     if p.is_dir():
@@ -292,7 +293,7 @@ def alias_map(rows: list[tuple[str, Optional[str]]]) -> dict[str, list[str]]:
 
 def find_runs(folder: Any) -> list[Path]:
     """Run files directly inside ``folder`` (sorted), or RunError if it is not a folder of runs."""
-    p = Path(os.fspath(folder))
+    p = Path(path_text(folder, RunError, "the folder of runs", "runs"))
     if not p.exists():
         raise RunError(f"no folder at {str(p)!r}: check the path")
     if not p.is_dir():

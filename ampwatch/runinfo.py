@@ -13,8 +13,9 @@ from typing import Any, Optional
 import torch
 
 from . import __version__, probes
-from .errors import RunExistsError
+from .errors import ArgumentTypeError, OptionError, RunExistsError, RunPathIsFolderError
 from .schema import SCHEMA_VERSION
+from .userpath import path_text
 
 
 def _distributed() -> tuple[int, int]:
@@ -178,7 +179,7 @@ def resolve_path(path: Optional[str], name: Optional[str], rank: int, world_size
     if path is None:
         stem = name or time.strftime("%Y%m%d-%H%M%S")
         path = os.path.join("runs", f"{stem}.sqlite")
-    path = os.fspath(path)
+    path = path_text(path, OptionError, "ampwatch.attach: path", "runs/exp1.sqlite", type_error=ArgumentTypeError)
     note = None
     if world_size > 1 and "{rank}" not in path and not names_rank(path, rank):
         root, ext = os.path.splitext(path)
@@ -190,6 +191,10 @@ def resolve_path(path: Optional[str], name: Optional[str], rank: int, world_size
     target = Path(path.replace("{rank}", str(rank))).absolute()
     if not explicit:
         return next_free(target), None
+    if target.is_dir():  # checked first: overwrite=True replaces a run file, never a folder
+        raise RunPathIsFolderError(
+            f"{str(target)!r} is a folder, not a run file: pass a file path, e.g. "
+            f"path={str(target / 'run.sqlite')!r} (overwrite=True never replaces a folder)")
     if target.exists():
         if not overwrite:
             raise RunExistsError(f"{str(target)!r} already exists: pass overwrite=True to replace it, or a new "

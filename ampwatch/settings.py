@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import OptionError
+from .errors import ArgumentTypeError, OptionError
+from .userpath import short_repr
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,31 @@ def resolve(options: dict[str, Any]) -> dict[str, Any]:
             raise OptionError(f"ampwatch option {name}={value!r} is invalid: expected {setting.expected}")
         merged[name] = value
     return merged
+
+
+# What attach needs of a scaler: the four calls it wraps, and is_enabled (bf16/fp32 runs pass None).
+_SCALER_METHODS = ("scale", "unscale_", "step", "update", "is_enabled")
+
+
+def check_arguments(model: Any, optimizer: Any, scaler: Any, name: Any, config: Any) -> None:
+    """Raise :class:`ArgumentTypeError` (one line: what was passed, what is expected) when attach's
+    arguments have the wrong type, before anything is hooked or read from them. ``path`` is checked
+    where it is resolved (:func:`ampwatch.runinfo.resolve_path`)."""
+    import torch  # only attach gets here: the CLI and the docs read SETTINGS without torch
+
+    def wrong(what: str, value: Any, expected: str) -> ArgumentTypeError:
+        return ArgumentTypeError(f"ampwatch.attach: {what} must be {expected}, got "
+                                 f"{type(value).__name__} {short_repr(value)}")
+
+    if not isinstance(model, torch.nn.Module):
+        raise wrong("model", model, "the torch.nn.Module being trained")
+    # Accelerate and Lightning wrap the optimizer; the wrapper's .optimizer is what gets hooked
+    if not isinstance(optimizer, torch.optim.Optimizer) and \
+            not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        raise wrong("optimizer", optimizer, "a torch.optim.Optimizer (e.g. torch.optim.AdamW(model.parameters()))")
+    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in _SCALER_METHODS):
+        raise wrong("scaler", scaler, "a torch.amp.GradScaler, or None for bf16/fp32 runs")
+    if name is not None and not isinstance(name, str):
+        raise wrong("name", name, "None or a str")
+    if config is not None and not isinstance(config, dict):
+        raise wrong("config", config, "None or a dict of hyper-parameters")

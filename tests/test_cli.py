@@ -62,7 +62,7 @@ def test_summary_of_a_folder_names_the_unreadable_run_and_still_summarises_the_o
     n = _sql(good, "SELECT COUNT(*) FROM steps")[0]
     assert "run      healthy_fp16" in proc.stdout and f"steps    {n}" in proc.stdout
     err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "trunc.sqlite" in err[0] and "corrupt or truncated" in err[0]
+    assert len(err) == 1 and "trunc.sqlite" in err[0] and "is truncated: 5,000 bytes, shorter than" in err[0]
 
 
 def test_ls_of_empty_or_missing_folder_is_exit_2(tmp_path):
@@ -134,3 +134,54 @@ def test_summary_separates_loss_nan_from_warmup_gradient_overflow():
         expected = "-" if first_bad_loss is None else str(first_bad_loss)
         assert f"(loss first NaN/inf at step {expected})" in out
     assert first_bad_loss is None  # healthy: only its warm-up gradients overflowed
+
+
+def _ampwatch(*args):
+    return subprocess.run([sys.executable, "-m", "ampwatch", *args], capture_output=True, text=True)
+
+
+def _one_line_exit_2(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err and err.startswith("ampwatch: "), err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize("command", [
+    ["export", str(SAMPLES / "diverged.sqlite"), "--format", "csv"],
+    ["demo", "--only", "bf16_noscaler"],  # refused before any training
+])
+def test_an_unwritable_out_is_one_line_and_exit_2(tmp_path, command):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("in the way")
+    before = (SAMPLES / "diverged.sqlite").read_bytes()
+    _one_line_exit_2(_ampwatch(*command, "--out", str(blocker / "sub")),
+                     f"cannot write into --out {str(blocker / 'sub')!r} (Not a directory)")
+    _one_line_exit_2(_ampwatch(*command, "--out", str(blocker)), f"--out {str(blocker)!r} is a file, not a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and blocker.read_text() == "in the way"
+    assert (SAMPLES / "diverged.sqlite").read_bytes() == before
+
+
+def test_export_onto_a_folder_in_a_files_place_is_one_line(tmp_path):
+    (tmp_path / "diverged_layers.csv").mkdir()  # export writes steps first, then hits this
+    proc = _ampwatch("export", str(SAMPLES / "diverged.sqlite"), "--out", str(tmp_path))
+    _one_line_exit_2(proc, f"cannot write {str(tmp_path / 'diverged_layers.csv')!r} (Is a directory)")
+    assert len(pd.read_csv(tmp_path / "diverged_steps.csv")) == _sql(SAMPLES / "diverged.sqlite", "SELECT COUNT(*) FROM steps")[0]
+
+
+def test_summary_and_ls_of_a_folder_name_each_runs_file(tmp_path):
+    # a renamed copy keeps its run's name ('diverged'): the file name says which file it is
+    (tmp_path / "full.sqlite").write_bytes((SAMPLES / "diverged.sqlite").read_bytes())
+    (tmp_path / "healthy_fp16.sqlite").write_bytes((SAMPLES / "healthy_fp16.sqlite").read_bytes())
+    name = _sql(tmp_path / "full.sqlite", "SELECT name FROM run")[0]
+    assert name == "diverged"
+    proc = _ampwatch("summary", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    runs = [l for l in proc.stdout.splitlines() if l.startswith("run ")]
+    assert [l.startswith(f"run      {name}  (") and l.endswith("  file full.sqlite") for l in runs] == [True, False]
+    assert runs[1].startswith("run      healthy_fp16  (") and runs[1].endswith("  file healthy_fp16.sqlite")
+    single = _ampwatch("summary", str(tmp_path / "full.sqlite")).stdout.splitlines()[0]
+    assert single == runs[0]
+    lines = _ampwatch("ls", str(tmp_path)).stdout.splitlines()
+    assert lines[1].startswith(f"{name} (full.sqlite) ") and lines[2].startswith("healthy_fp16 ")

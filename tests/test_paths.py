@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ampwatch
-from ampwatch.errors import RunExistsError
+from ampwatch.errors import RunExistsError, RunPathIsFolderError
 from ampwatch.runinfo import names_rank, resolve_path
 from loops import train
 from test_distributed import _free_port
@@ -29,6 +29,24 @@ def test_an_existing_explicit_path_is_refused_with_one_line(tmp_path):
     assert "\n" not in str(err.value) and isinstance(err.value, ampwatch.RunError)
     assert target.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["same.sqlite"]
     assert len(ampwatch.load(target).steps) == 2
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_path_is_refused_as_a_folder_with_or_without_overwrite(tmp_path, overwrite):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("not ampwatch's")
+    model = torch.nn.Linear(2, 2)
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+    with pytest.raises(RunPathIsFolderError) as err:
+        ampwatch.attach(model, opt, scaler, path=str(folder), overwrite=overwrite)
+    message = str(err.value)
+    assert isinstance(err.value, ampwatch.RunError) and "\n" not in message
+    assert f"{str(folder)!r} is a folder, not a run file" in message
+    assert f"path={str(folder / 'run.sqlite')!r}" in message  # what to pass instead
+    assert (folder / "keep.txt").read_text() == "not ampwatch's" and sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+    assert not {"scale", "step", "update", "unscale_"} & set(scaler.__dict__)  # nothing left hooked
+    assert not model._forward_hooks and not model._backward_hooks
 
 
 def test_overwrite_replaces_the_old_run(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -169,12 +170,19 @@ def _newer_schema(tmp_path: Path) -> Path:
     return watch.path
 
 
-def _truncated(tmp_path: Path) -> Path:
+def _truncated(tmp_path: Path, keep: float = 1 / 3) -> Path:
     _, watch, _ = train(30, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(tmp_path / "t.sqlite"), layer_every=1))
     data_ = watch.path.read_bytes()
     target = tmp_path / "truncated.sqlite"
-    target.write_bytes(data_[: len(data_) // 3])
+    target.write_bytes(data_[: int(len(data_) * keep)])
     return target
+
+
+def _header_says(path: Path) -> str:
+    """What the SQLite header says the file's size is, read here independently of ampwatch."""
+    head = path.read_bytes()[:100]
+    page_size = int.from_bytes(head[16:18], "big")
+    return f"shorter than the {int.from_bytes(head[28:32], 'big') * (page_size if page_size != 1 else 65536):,} its header says"
 
 
 def _corrupt(tmp_path: Path) -> Path:
@@ -194,7 +202,8 @@ BAD_INPUTS = {
     "empty": (lambda tmp: (tmp / "empty.sqlite").write_bytes(b"") or tmp / "empty.sqlite", "empty file"),
     "foreign": (lambda tmp: _foreign_sqlite(tmp / "photos.sqlite"), "another tool"),
     "newer": (_newer_schema, "newer ampwatch"),
-    "truncated": (_truncated, "corrupt or truncated"),
+    "truncated": (_truncated, "its header says"),
+    "cut_3_percent_short": (lambda tmp: _truncated(tmp, keep=0.97), "its header says"),
     "corrupt": (_corrupt, "corrupt or truncated"),
 }
 
@@ -207,16 +216,56 @@ def test_bad_input_is_one_line_run_error_and_file_unchanged(tmp_path, case):
     with pytest.raises(ampwatch.RunError) as err:
         run = ampwatch.load(path)
         run.steps, run.layers, run.events  # noqa: B018 - force every table read
+        ampwatch.diagnose(run)  # reads the rest (the 3%-short copy loses a page only the doctor reads)
     assert message in str(err.value) and "\n" not in str(err.value)
+    if message == "its header says":  # the sizes, as the file and its header say them
+        assert f"is truncated: {path.stat().st_size:,} bytes, {_header_says(path)}" in str(err.value)
     if before is not None:
         assert _digest(path) == before
-    cli = subprocess.run([sys.executable, "-m", "ampwatch", "summary", str(path)], capture_output=True, text=True)
+    # the 3%-short copy still holds every page `summary` reads (complete, so it answers): the doctor reads more
+    command = "doctor" if case == "cut_3_percent_short" else "summary"
+    cli = subprocess.run([sys.executable, "-m", "ampwatch", command, str(path)], capture_output=True, text=True)
     assert cli.returncode == 2
     if case == "folder":  # `summary DIR` reads a folder as runs or jobs: an empty one has none
         message = "no runs in"
     assert cli.stderr.strip().count("\n") == 0 and message in cli.stderr and "Traceback" not in cli.stderr
     if before is not None:
         assert _digest(path) == before
+
+
+@pytest.mark.parametrize("value, says", [
+    (123, "must be a str or pathlib.Path, got int 123"),
+    (None, "must be a str or pathlib.Path, got NoneType None"),
+    (["run.sqlite"], "must be a str or pathlib.Path, got list ['run.sqlite']"),
+    ("", "is an empty string"),
+    ("runs/a\x00b.sqlite", "contains a NUL character"),
+])
+def test_a_path_of_the_wrong_type_is_one_line_run_error(value, says):
+    for read in (ampwatch.load, ampwatch.load_group):
+        with pytest.raises(ampwatch.RunError, match=re.escape(says)) as err:
+            read(value)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ampwatch.RunError) as err:
+        ampwatch.diagnose(value)
+    # diagnose also takes a Run, and says so; a path-like value gets load's line
+    expected = f"needs a Run (from ampwatch.load) or a run file path, got {type(value).__name__}"
+    assert (expected if not isinstance(value, str) else says) in str(err.value)
+
+
+def test_a_bytes_path_reads_like_its_str(tmp_path):
+    _, watch, _ = train(3, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=os.fsencode(tmp_path / "b.sqlite")))
+    assert watch.path == tmp_path / "b.sqlite"
+    run = ampwatch.load(os.fsencode(watch.path))
+    assert run.path == watch.path and len(run.steps) == 3 == _sql_count(watch.path)
+    assert isinstance(ampwatch.diagnose(os.fsencode(watch.path)), list)
+
+
+def _sql_count(path: Path) -> int:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+    finally:
+        conn.close()
 
 
 def test_reader_cannot_write(tmp_path):
