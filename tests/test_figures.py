@@ -154,12 +154,14 @@ def test_scale_panel_says_why_it_is_empty_or_broken():
     assert figures.scale_note(steps.assign(loss_scale=[4.0, 2.0, 1.0, 0.5])) is None
 
 
-def test_heatmap_single_steps_are_equally_wide_columns():
-    # layer_every=10 plus one skipped step at 23: on a linear axis its cell would span 20..30
+def test_heatmap_single_steps_start_where_they_happened_on_a_step_axis():
+    # layer_every=10 plus one skipped step at 23: given as centres, its cell would span 21.5..26.5 and
+    # the one at 20 would start at 15; as edges each cell runs from its step to the next recorded one
     grid = layerdata.LayerGrid(names=["a"], metric="grad_norm", bucket_starts=np.array([0, 10, 20, 23, 30]), width=1,
                               values=np.ones((1, 5)), nonfinite=np.zeros((1, 5), dtype=bool))
     fig = figures.heatmap_figure(grid)
-    assert fig.layout.xaxis.type == "category" and list(fig.data[0].x) == [0, 10, 20, 23, 30]
+    assert fig.layout.xaxis.type == "linear" and list(fig.data[0].x) == [0, 10, 20, 23, 30, 31]
+    assert np.asarray(fig.data[0].text).tolist() == [[0, 10, 20, 23, 30]]  # hover names the step
     wide = layerdata.LayerGrid(names=["a"], metric="grad_norm", bucket_starts=np.array([0, 10, 20]), width=10,
                               values=np.ones((1, 3)), nonfinite=np.zeros((1, 3), dtype=bool))
-    assert figures.heatmap_figure(wide).layout.xaxis.type == "linear"  # equal buckets: a true step axis
+    assert list(figures.heatmap_figure(wide).data[0].x) == [0, 10, 20]  # buckets: their starts
