@@ -1,22 +1,9 @@
 """Headline texts of the dashboard: short, plain strings built from shown data (no Streamlit calls)."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pandas as pd
-
-from shared import fmt
-
-
-def fmt_scale(x: Any) -> str:
-    """A loss scale short enough for a headline: 65536 as is, 2^-53 for tiny or huge powers of two."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return fmt(x)
-    if 1 <= x < 1e7:
-        return f"{x:g}"
-    m, e = math.frexp(float(x))
-    return f"2^{e - 1}" if m == 0.5 else f"{x:.2g}"
 
 
 def findings_heading(found: list[dict]) -> str:
@@ -47,7 +34,7 @@ def events_headline(ev: pd.DataFrame, found: list[dict]) -> tuple[str, str]:
         lines.append(f"First event after the scaler's warm-up: {_event_text(real.iloc[0])}"
                      + (f"; first origin: {_event_text(origins.iloc[0])}"
                         if len(origins) and origins.index[0] != real.index[0] else ""))
-        # yellow when something is to fix: the doctor says so, or (no doctor) any event after warm-up
+        # yellow when something is to fix: the doctor says so, or (no findings) any event after warm-up
         kind = "warning" if not found or any(f["severity"] != "info" for f in found) else "info"
     warm = ev[ev["warmup"]]
     if len(warm):

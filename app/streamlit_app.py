@@ -1,9 +1,9 @@
-"""ampwatch dashboard: `streamlit run app` from the repository root (issue 4). Router only."""
+"""ampwatch dashboard: `streamlit run app` from the repository root. Router only."""
 from pathlib import Path
 
 import streamlit as st
 
-import shared
+import state
 
 # An emoji favicon: a :material/ one is fetched from fonts.gstatic.com on every load (the app stays local).
 st.set_page_config(page_title="ampwatch", page_icon="📈", layout="wide")
@@ -20,5 +20,5 @@ pages = [
     st.Page(PAGES / "live.py", title="Live", icon=":material/autorenew:"),
 ]
 nav = st.navigation(pages)
-st.session_state["_folder"], st.session_state["_run"] = shared.sidebar()
+st.session_state["_folder"], st.session_state["_run"] = state.sidebar()
 nav.run()

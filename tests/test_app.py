@@ -281,7 +281,7 @@ def test_bad_input_gives_a_message_on_every_page(kind, tmp_path):
             assert expected in said, (page, said)
 
 
-def test_names_from_the_url_cannot_escape_the_folder(tmp_path):
+def test_names_from_the_url_cannot_escape_the_folder(tmp_path, monkeypatch):
     outside = tmp_path / "secret.sqlite"
     shutil.copy(SAMPLES / "healthy_fp16.sqlite", outside)
     folder = tmp_path / "runs"
@@ -294,12 +294,11 @@ def test_names_from_the_url_cannot_escape_the_folder(tmp_path):
         assert not at.title and [e.value for e in at.error] == [f"Run {name!r} is not in {str(folder)!r}: "
                                                                 "pick a run in the sidebar."]
         assert at.query_params["run"] == name  # the URL is not rewritten to another run
-    spec = importlib.util.spec_from_file_location("app_shared", ROOT / "app" / "shared.py")
-    shared = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shared)
-    assert shared.safe_run_path(folder, "diverged.sqlite") == (folder / "diverged.sqlite").resolve()
+    monkeypatch.syspath_prepend(str(ROOT / "app"))  # as Streamlit runs the app: its modules are top-level
+    state = importlib.import_module("state")
+    assert state.safe_run_path(folder, "diverged.sqlite") == (folder / "diverged.sqlite").resolve()
     for name in ("../secret.sqlite", str(outside), "link.sqlite", "", None, "diverged.txt", ".", "sub/x.sqlite"):
-        assert shared.safe_run_path(folder, name) is None, name
+        assert state.safe_run_path(folder, name) is None, name
 
 
 def _warmup_end(run: Path) -> int:

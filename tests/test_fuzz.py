@@ -106,23 +106,23 @@ def _cli_command(path: Path, out: Path, k: int) -> list[str]:
     return commands[k % len(commands)]
 
 
-def _shared():
+def _loaders_module():
     from streamlit import logger
     logger.set_log_level("error")  # its cache outside an app logs "missing ScriptRunContext" on every call
-    spec = importlib.util.spec_from_file_location("app_shared_fuzz", ROOT / "app" / "shared.py")
+    spec = importlib.util.spec_from_file_location("app_loaders_fuzz", ROOT / "app" / "loaders.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _app_loaders(shared: Any, path: Path) -> dict[str, Callable[[], Any]]:
-    key, p = shared.stamp(path), str(path)
-    return {"app.run_row": lambda: shared.run_row(p, key), "app.overview": lambda: shared.overview(p, key),
-            "app.heatmap": lambda: shared.heatmap(p, key, "grad_norm", None, None),
-            "app.headroom": lambda: shared.headroom(p, key, None, None),
-            "app.zero_grads": lambda: shared.zero_grads(p, key, None, None), "app.events": lambda: shared.events(p, key),
-            "app.step_detail": lambda: shared.step_detail(p, key, 24), "app.skip_rate": lambda: shared.skip_rate(p, key),
-            "app.findings": lambda: shared.findings(p, key)}
+def _app_loaders(loaders: Any, path: Path) -> dict[str, Callable[[], Any]]:
+    key, p = loaders.stamp(path), str(path)
+    return {"app.run_row": lambda: loaders.run_row(p, key), "app.overview": lambda: loaders.overview(p, key),
+            "app.heatmap": lambda: loaders.heatmap(p, key, "grad_norm", None, None),
+            "app.headroom": lambda: loaders.headroom(p, key, None, None),
+            "app.zero_grads": lambda: loaders.zero_grads(p, key, None, None), "app.events": lambda: loaders.events(p, key),
+            "app.step_detail": lambda: loaders.step_detail(p, key, 24), "app.skip_rate": lambda: loaders.skip_rate(p, key),
+            "app.findings": lambda: loaders.findings(p, key)}
 
 
 def _one_line_about(message: str, path: Path) -> bool:
@@ -132,7 +132,7 @@ def _one_line_about(message: str, path: Path) -> bool:
 @pytest.mark.filterwarnings("ignore")  # streamlit's bare-mode notes and pandas' on odd (damaged) values
 def test_damaged_copies_give_run_error_or_data_never_anything_else(sources, tmp_path):
     rng = random.Random(20261123)
-    shared = _shared()
+    loaders = _loaders_module()
     unexpected: list[str] = []
     counts = {"copies": 0, "RunError": 0, "read": 0, "cli": 0, "subprocess": 0, "partial": 0}
     folder = tmp_path / "copies"
@@ -146,7 +146,7 @@ def test_damaged_copies_give_run_error_or_data_never_anything_else(sources, tmp_
         failed = set()
         readers = _readers(path, k)
         if k % 6 == 0:  # the dashboard's cached loaders (thin wrappers of the functions above) on a sixth
-            readers.update(_app_loaders(shared, path))
+            readers.update(_app_loaders(loaders, path))
         for name, read in readers.items():
             try:
                 read()

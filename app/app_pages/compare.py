@@ -2,14 +2,16 @@
 import pandas as pd
 import streamlit as st
 
-import shared
+import formatting
+import loaders
+import state
 from ampwatch import figures
 
 st.title("Compare runs")
 if st.session_state.get("_run") is None:  # no folder, or a folder without runs: say which
-    shared.require_run()
+    state.require_run()
     st.stop()
-folder, runs, unreadable = shared.page_runs()
+folder, runs, unreadable = state.page_runs()
 files = runs["file"].tolist() if len(runs) else []
 if len(files) < 2:
     st.info("Compare needs at least two readable runs in the folder.")
@@ -26,12 +28,12 @@ if len(picked) < 2:
 
 overviews, rates, rows = {}, {}, []
 for name in picked:
-    path = shared.safe_run_path(folder, name)
+    path = state.safe_run_path(folder, name)
     if path is None:
         continue
-    key = shared.stamp(path)
-    ov = shared.guarded(shared.overview, str(path), key, path=path)
-    rate = shared.guarded(shared.skip_rate, str(path), key, path=path)
+    key = loaders.stamp(path)
+    ov = loaders.guarded(loaders.overview, str(path), key, path=path)
+    rate = loaders.guarded(loaders.skip_rate, str(path), key, path=path)
     if ov is None or rate is None:
         continue
     label = name.rsplit(".", 1)[0]
@@ -44,6 +46,6 @@ st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), wid
                 key="compare_chart")
 summary = runs[runs["file"].isin(picked)][["name", "status", "steps", "skipped", "skipped_pct", "final_scale",
                                            "first_nonfinite_step", "last_loss"]]
-st.dataframe(shared.readable(summary, {"final_scale": "–", "last_loss": "NaN"}), hide_index=True, key="compare_table",
-             column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f")})
-shared.download(pd.concat(rows, ignore_index=True), "compare_steps.csv", "Download shown steps (CSV)")
+st.dataframe(formatting.readable(summary, {"final_scale": "–", "last_loss": "NaN"}), hide_index=True,
+             key="compare_table", column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f")})
+formatting.download(pd.concat(rows, ignore_index=True), "compare_steps.csv", "Download shown steps (CSV)")

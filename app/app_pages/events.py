@@ -1,22 +1,25 @@
 """Events: NaN/Inf events, origin first; selecting one jumps the charts there and inspects the step."""
 import streamlit as st
 
+import formatting
 import headlines
-import shared
+import loaders
+import state
+import stepview
 
-path = shared.require_run()
+path = state.require_run()
 if path is None:
     st.stop()
-key = shared.stamp(path)
+key = loaders.stamp(path)
 st.title("NaN/Inf events")
-ev = shared.guarded(shared.events, str(path), key, path=path)
+ev = loaders.guarded(loaders.events, str(path), key, path=path)
 if ev is None:
     st.stop()
 if ev.empty:
     st.success("No NaN/Inf events in this run: no module produced a non-finite value.")
     st.stop()
 origins = ev[ev["origin"]]
-kind, text = headlines.events_headline(ev, shared.doctor_findings(path, key))
+kind, text = headlines.events_headline(ev, loaders.doctor_findings(path, key))
 getattr(st, kind)(text)
 only_origin = st.toggle("origins only", value=False, key="events_origin_only")
 shown = (origins if only_origin else ev).reset_index(drop=True)
@@ -26,19 +29,19 @@ def _select() -> None:
     rows = st.session_state["events_table"].selection.rows
     if rows:
         step = int(shown["step"].iloc[rows[0]])
-        shared.jump_to(path, step - 20, step + 20, inspect=step)
+        state.jump_to(path, step - 20, step + 20, inspect=step)
 
 
 # amax NULL is a NaN gradient's; fp32_amax NULL: not recomputed (only forward origins are)
-shown_text = shared.readable(shown, {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in shown else {})})
+shown_text = formatting.readable(shown, {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in shown else {})})
 st.dataframe(shown_text, key="events_table", on_select=_select, selection_mode="single-row", hide_index=True,
              column_config={"origin": st.column_config.CheckboxColumn("origin", help="where the NaN/Inf was born"),
                             "warmup": st.column_config.CheckboxColumn(
                                 "warm-up", help="gradient overflow during the scaler's warm-up: expected")})
 st.caption(f"{len(shown):,} events · select one to jump the charts to its step and inspect it.")
-shared.download(shown, f"{path.stem}_events.csv")
+formatting.download(shown, f"{path.stem}_events.csv")
 
 step = st.session_state.get("_inspect")
 if step is not None and int(step) in set(ev["step"]):
     st.page_link("app_pages/overview.py", label=f"Charts around step {step}", icon=":material/show_chart:")
-    shared.show_step(path, key, int(step))
+    stepview.show_step(path, key, int(step))

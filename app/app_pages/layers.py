@@ -1,22 +1,23 @@
 """Layers: per-layer gradient heatmap, fp16 headroom per module, zero-gradient fraction per layer."""
 import streamlit as st
 
-import shared
+import formatting
+import loaders
+import state
 from ampwatch import figures
-from ampwatch.layerdata import LAYER_METRICS, grid_frame
 
-path, key, row = shared.page_run()
+path, key, row = state.page_run()
 st.title(f"Layers · {row['name']}")
 if not row["steps"]:
     st.info("This run has no steps yet.")
     st.stop()
-start, end = shared.step_range(path, row["first_step"], row["last_step"])
+start, end = state.step_range(path, row["first_step"], row["last_step"])
 view = st.segmented_control("View", ["Gradient heatmap", "fp16 headroom", "Zero gradients"],
                             default="Gradient heatmap", key="layers_view") or "Gradient heatmap"
 
 if view == "Gradient heatmap":
-    metric = st.selectbox("Figure", LAYER_METRICS, key="layers_metric")
-    grid = shared.guarded(shared.heatmap, str(path), key, metric, start, end, path=path)
+    metric = st.selectbox("Figure", loaders.LAYER_METRICS, key="layers_metric")
+    grid = loaders.guarded(loaders.heatmap, str(path), key, metric, start, end, path=path)
     if grid is None:
         st.stop()
     if grid.values.size == 0:
@@ -29,10 +30,10 @@ if view == "Gradient heatmap":
                f"{figures.nonfinite_what(metric)} (red)."
                + (" NaN/inf gradients are not marked here: the weights' norms are shown."
                   if metric == "param_norm" else ""))
-    table = grid_frame(grid)
-    shared.download(table, f"{path.stem}_{metric}_heatmap.csv")
+    table = loaders.grid_frame(grid)
+    formatting.download(table, f"{path.stem}_{metric}_heatmap.csv")
 elif view == "fp16 headroom":
-    df = shared.guarded(shared.headroom, str(path), key, start, end, path=path)
+    df = loaders.guarded(loaders.headroom, str(path), key, start, end, path=path)
     if df is None:
         st.stop()
     if df.empty:
@@ -44,11 +45,11 @@ elif view == "fp16 headroom":
                    + ", ".join(f"{m} ({p})" for m, p in near[["module", "phase"]].head(8).itertuples(index=False)))
     st.plotly_chart(figures.headroom_figure(df), width="stretch", key="headroom")
     st.dataframe(df, hide_index=True, key="headroom_table")
-    shared.download(df, f"{path.stem}_headroom.csv")
+    formatting.download(df, f"{path.stem}_headroom.csv")
 else:
-    df = shared.guarded(shared.zero_grads, str(path), key, start, end, path=path)
+    df = loaders.guarded(loaders.zero_grads, str(path), key, start, end, path=path)
     if df is None:
         st.stop()
     st.plotly_chart(figures.zero_grad_figure(df), width="stretch", key="zero_grads")
     st.dataframe(df, hide_index=True, key="zero_table")
-    shared.download(df, f"{path.stem}_zero_grads.csv")
+    formatting.download(df, f"{path.stem}_zero_grads.csv")

@@ -9,10 +9,12 @@ from datetime import timedelta
 
 import streamlit as st
 
-import shared
+import formatting
+import loaders
+import state
 from ampwatch import figures
 
-path = shared.require_run()
+path = state.require_run()
 if path is None:
     st.stop()
 st.title("Live")
@@ -23,7 +25,7 @@ follow = st.toggle("Refresh while the run is running", value=True, key="live_on"
 def _row(key: tuple):
     # A writer killed without a word leaves the file unchanged but its status ages ('interrupted' after
     # a silent heartbeat): the cached row also expires every 10 s.
-    return shared.guarded(shared.run_row, str(path), key + (int(time.time()) // 10,), path=path)
+    return loaders.guarded(loaders.run_row, str(path), key + (int(time.time()) // 10,), path=path)
 
 
 def _zoom() -> None:
@@ -31,14 +33,14 @@ def _zoom() -> None:
     boxes = st.session_state["live_chart"].selection.get("box") or []
     xs = [float(x) for b in boxes[:1] for x in b.get("x", [])]
     if len(xs) >= 2:
-        shared.jump_to(path, math.floor(min(xs)), math.ceil(max(xs)))
+        state.jump_to(path, math.floor(min(xs)), math.ceil(max(xs)))
         st.session_state["_live_zoomed"] = True  # the sidebar slider is outside the fragment: redraw it too
 
 
 def _draw(following: bool = False) -> str:
     if st.session_state.pop("_live_zoomed", False):
         st.rerun()
-    key = shared.stamp(path)
+    key = loaders.stamp(path)
     row = _row(key)
     if row is None:
         return "unreadable"
@@ -50,14 +52,14 @@ def _draw(following: bool = False) -> str:
     cols[0].metric("status", row["status"])
     cols[1].metric("steps", f"{row['steps']:,}")
     cols[2].metric("skipped", f"{row['skipped']:,}")
-    cols[3].metric("last loss", shared.fmt(row["last_loss"]))
+    cols[3].metric("last loss", formatting.fmt(row["last_loss"]))
     if not row["steps"]:
         st.info("No steps yet: waiting for the first flush.")
         return row["status"]
     # The Steps range (sidebar) is the view that survives redraws: Streamlit draws a chart whose data
     # changed as a new element, so a mouse zoom lasts only until the next new steps arrive.
-    start, end = shared.followed_range(path, int(row["first_step"]), int(row["last_step"]))
-    ov = shared.guarded(shared.overview, str(path), key, start, end, path=path)
+    start, end = state.followed_range(path, int(row["first_step"]), int(row["last_step"]))
+    ov = loaders.guarded(loaders.overview, str(path), key, start, end, path=path)
     if ov is not None:  # one uirevision per run: a redraw without new steps keeps the user's zoom
         fig = figures.overview_figure(ov, log_loss=True, uirevision=f"live:{path.name}")
         fig.update_layout(dragmode="select", selectdirection="h")  # a drag picks the steps to keep in view
@@ -67,9 +69,9 @@ def _draw(following: bool = False) -> str:
     return row["status"]
 
 
-first = _row(shared.stamp(path))
+first = _row(loaders.stamp(path))
 if first is not None and first["steps"]:
-    shared.step_range(path, int(first["first_step"]), int(first["last_step"]))
+    state.step_range(path, int(first["first_step"]), int(first["last_step"]))
 running = first is not None and first["status"] == "running"
 if running and follow:
     st.fragment(run_every=timedelta(seconds=every))(_draw)(following=True)

@@ -1,11 +1,13 @@
 """Run overview: the doctor's findings, headline figures, then loss/scale/grad norm/lr on one step axis."""
 import streamlit as st
 
+import formatting
 import headlines
-import shared
+import loaders
+import state
 from ampwatch import figures
 
-path, key, row = shared.page_run()
+path, key, row = state.page_run()
 st.title(f"{row['name']}")
 st.caption(f"`{path.name}` · {row['status']} · {row['amp_dtype'] or 'no autocast dtype recorded'}")
 if not row["steps"]:
@@ -15,8 +17,8 @@ if not row["steps"]:
 # The doctor reads whole tables (about a minute on 1M steps with 200 layers): on big runs it waits
 # for a click, so the charts are not held up and a rerun does not restart it.
 doctor_key = f"doctor:{path.name}"
-if row["steps"] <= shared.AUTO_DOCTOR_STEPS or st.session_state.get(doctor_key):
-    found = shared.guarded(shared.findings, str(path), key, path=path) or []
+if row["steps"] <= loaders.AUTO_DOCTOR_STEPS or st.session_state.get(doctor_key):
+    found = loaders.guarded(loaders.findings, str(path), key, path=path) or []
 else:
     found = []
     st.button(f"Run the doctor on all {row['steps']:,} steps (may take a minute)", key="run_doctor",
@@ -27,22 +29,22 @@ for i, f in enumerate(found):
     if f.get("cause"):
         continue  # shown folded under its cause
     box = st.container(border=True)
-    box.markdown(f"{shared.SEVERITY_BADGE.get(f['severity'], '')} **{f['title']}** "
+    box.markdown(f"{formatting.SEVERITY_BADGE.get(f['severity'], '')} **{f['title']}** "
                  f"· steps {f['steps'][0]}–{f['steps'][1]}")
     box.markdown(f"{f['evidence']}  \n**Fix:** {f['advice']}")
-    box.button(f"Show steps {f['jump'][0]}–{f['jump'][1]}", key=f"finding:{i}", on_click=shared.jump_to,
+    box.button(f"Show steps {f['jump'][0]}–{f['jump'][1]}", key=f"finding:{i}", on_click=state.jump_to,
                args=(path, f["jump"][0], f["jump"][1], f["steps"][0]))
     for j, c in enumerate(x for x in found if x.get("cause") == f["id"]):
         with box.expander(f"{c['severity'].upper()} · consequence: {c['title']}",
-                          icon=shared.SEVERITY_ICON.get(c["severity"])):
+                          icon=formatting.SEVERITY_ICON.get(c["severity"])):
             st.markdown(f"{c['evidence']}  \n**Fix:** {c['advice']}")
-            st.button(f"Show steps {c['jump'][0]}–{c['jump'][1]}", key=f"finding:{i}:{j}", on_click=shared.jump_to,
+            st.button(f"Show steps {c['jump'][0]}–{c['jump'][1]}", key=f"finding:{i}:{j}", on_click=state.jump_to,
                       args=(path, c["jump"][0], c["jump"][1], c["steps"][0]))
 if row["status"] == "crashed" and row.get("error_tail"):
     st.error("The run crashed. The traceback ends:\n\n```\n" + "\n".join(row["error_tail"]) + "\n```")
 
-start, end = shared.step_range(path, row["first_step"], row["last_step"])
-ov = shared.guarded(shared.overview, str(path), key, start, end, path=path)
+start, end = state.step_range(path, row["first_step"], row["last_step"])
+ov = loaders.guarded(loaders.overview, str(path), key, start, end, path=path)
 if ov is None:
     st.stop()
 
@@ -50,19 +52,19 @@ if ov is None:
 m = st.columns(5)
 m[0].metric("steps", f"{row['steps']:,}")
 m[1].metric(f"skipped ({row['skipped_pct']:.1f}%)", f"{row['skipped']:,}")  # short values: they must fit
-m[2].metric("final loss scale", headlines.fmt_scale(row["final_scale"]))
+m[2].metric("final loss scale", formatting.fmt_scale(row["final_scale"]))
 origin = headlines.origin_finding(found)
 if origin is not None:  # the root cause, not the first overflow the scaler handled
     m[3].metric("NaN/inf born at step", f"{origin['steps'][0]}", help=f"the doctor's root cause: {origin['title']}")
 else:
-    m[3].metric("first NaN/inf step", shared.fmt(row["first_nonfinite_step"], "{}"),
+    m[3].metric("first NaN/inf step", formatting.fmt(row["first_nonfinite_step"], "{}"),
                 help="after the scaler's warm-up (its expected overflows are not counted); a gradient "
                      "overflow the scaler skipped counts: see the doctor's findings for whether it matters")
-m[4].metric("last loss", shared.fmt(row["last_loss"]))
+m[4].metric("last loss", formatting.fmt(row["last_loss"]))
 if ov.steps["loss"].notna().sum() == 0:
     st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")
 log_loss = st.toggle("log loss axis", value=True, key="log_loss")
 st.plotly_chart(figures.overview_figure(ov, log_loss=log_loss), width="stretch", key="overview_chart")
 drawn = "every step" if ov.bucket == 1 else f"min/max per {ov.bucket:,} steps + every skip and NaN"
 st.caption(f"Steps {ov.first:,}–{ov.last:,}, {len(ov.steps):,} points drawn ({drawn}).")
-shared.download(ov.steps, f"{path.stem}_steps_{ov.first}-{ov.last}.csv", "Download shown steps (CSV)")
+formatting.download(ov.steps, f"{path.stem}_steps_{ov.first}-{ov.last}.csv", "Download shown steps (CSV)")

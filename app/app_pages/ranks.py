@@ -1,12 +1,14 @@
 """Ranks: the ranks of the chosen run's distributed job on one step axis; pick a rank from the chart."""
 import streamlit as st
 
-import shared
+import formatting
+import loaders
+import state
 from ampwatch import figures
 
-path, key, row = shared.page_run()
+path, key, row = state.page_run()
 folder = st.session_state["_folder"]
-view = shared.guarded(shared.job_view, str(folder), shared.folder_stamp(folder), path.name, path=path)
+view = loaders.guarded(loaders.job_view, str(folder), loaders.folder_stamp(folder), path.name, path=path)
 if view is None:
     st.stop()
 st.title(f"Ranks of {view.name}")
@@ -23,7 +25,7 @@ if view.missing or view.unreadable:
     st.warning("Not every rank can be read; the figures cover the others.  \n" + "  \n".join(lines))
 for f in view.findings:
     box = st.container(border=True)
-    box.markdown(f"{shared.SEVERITY_BADGE.get(f['severity'], '')} **{f['title']}**")
+    box.markdown(f"{formatting.SEVERITY_BADGE.get(f['severity'], '')} **{f['title']}**")
     box.markdown(f"{f['evidence']}  \n**Fix:** {f['advice']}")
 
 ranks = sorted(view.files)
@@ -49,7 +51,7 @@ if view.first:
     st.markdown(f"**First NaN/Inf:** rank {fst['rank']} at step {fst['step']:,}, {where}"
                 + (f", micro-batch {fst['micro_batch']}" if fst["micro_batch"] is not None else ""))
 st.dataframe(view.ranks, hide_index=True, key="ranks_table")
-st.button(f"Open rank {selected}'s run ({view.files[selected]})", key="ranks_open", on_click=shared.open_run,
+st.button(f"Open rank {selected}'s run ({view.files[selected]})", key="ranks_open", on_click=state.open_run,
           args=(view.files[selected],))
 st.page_link("app_pages/overview.py", label="Run overview of the chosen run", icon=":material/show_chart:")
-shared.download(view.global_steps, f"{view.name}_global_steps.csv", "Download global steps (CSV)")
+formatting.download(view.global_steps, f"{view.name}_global_steps.csv", "Download global steps (CSV)")

@@ -1,10 +1,11 @@
 """Runs: every run in the folder, filterable; pick one (or several to compare)."""
 import streamlit as st
 
-import shared
+import formatting
+import state
 
 st.title("Runs")
-folder, runs, unreadable = shared.page_runs()
+folder, runs, unreadable = state.page_runs()
 st.caption(f"Folder: `{folder}`")
 for name, reason in unreadable:
     st.warning(f"**{name}** cannot be read: {reason}")
@@ -27,8 +28,8 @@ def _pick() -> None:
         st.session_state["compare"] = files
 
 
-st.dataframe(shared.readable(shown[columns], {"final_scale": "–", "last_loss": "NaN"}), key="runs_table", on_select=_pick,
-             selection_mode="multi-row", hide_index=True,
+st.dataframe(formatting.readable(shown[columns], {"final_scale": "–", "last_loss": "NaN"}), key="runs_table",
+             on_select=_pick, selection_mode="multi-row", hide_index=True,
              column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
                             "final_scale": "final loss scale", "last_loss": "last loss",
                             "health": st.column_config.TextColumn("health", help="the doctor's worst severity and first root cause; ok: nothing above info"),
@@ -42,4 +43,4 @@ if picked:
     if len(picked) > 1:
         cols[1].page_link("app_pages/compare.py", label=f"Compare {len(picked)} runs",
                           icon=":material/stacked_line_chart:")
-shared.download(shown[columns], "runs.csv")
+formatting.download(shown[columns], "runs.csv")

@@ -1,29 +1,20 @@
-"""What every page shares: the runs folder, the chosen run, the step range, and cached data access.
+"""What the pages share as state: the runs folder, the chosen run (and the URL's ``?run=``), the step range.
 
 The runs folder is chosen in one place (:func:`default_folder`): AMPWATCH_RUNS if set, else
 ``sample_runs/`` under the working directory; the sidebar can change it. Run names from the sidebar
 or the URL (``?run=name.sqlite``) are resolved inside that folder only (:func:`safe_run_path`).
-Cached loaders are keyed on the file's (path, mtime, size) plus its WAL's, so a live run reloads.
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pandas as pd
 import streamlit as st
 
-from ampwatch import dashdata, groupview, layerdata
-from ampwatch.errors import RunError
-from ampwatch.reader import RUN_SUFFIXES
-
-AUTO_DOCTOR_STEPS = 1_000_000  # ~5 s of doctor at 1M steps (bench/doctor.py); bigger runs ask first
-SEVERITY_ICON = {"error": ":material/error:", "warning": ":material/warning:", "info": ":material/info:"}
-SEVERITY_BADGE = {"error": ":red-badge[:material/error: ERROR]", "warning": ":orange-badge[:material/warning: WARNING]",
-                  "info": ":blue-badge[:material/info: INFO]"}
-
+import loaders
+from loaders import RUN_SUFFIXES
 
 
 # -- folder and run choice --------------------------------------------------------------------------
@@ -45,25 +36,6 @@ def safe_run_path(folder: Any, name: Any) -> Optional[Path]:
     if candidate.suffix not in RUN_SUFFIXES or not candidate.is_file():
         return None
     return candidate
-
-
-def stamp(path: Path) -> tuple:
-    """(mtime, size) of the file and of its WAL: a live run's new rows land in the WAL first."""
-    out: list = []
-    for p in (path, Path(f"{path}-wal")):
-        try:
-            st_ = p.stat()
-            out += [st_.st_mtime_ns, st_.st_size]
-        except OSError:
-            out += [0, 0]
-    return tuple(out)
-
-
-def folder_stamp(folder: Path) -> tuple:
-    try:
-        return tuple(sorted((f.name,) + stamp(f) for f in folder.iterdir() if f.suffix in RUN_SUFFIXES))
-    except OSError:
-        return ()
 
 
 def sidebar() -> tuple[Optional[Path], Optional[Path]]:
@@ -112,7 +84,7 @@ def _first_readable(folder: Path, names: list[str]) -> str:
     for name in names:
         path = folder / name
         try:
-            run_row(str(path), stamp(path))
+            loaders.run_row(str(path), loaders.stamp(path))
             return name
         except Exception:  # any unreadable file: try the next; the Runs page lists why
             continue
@@ -165,8 +137,8 @@ def page_run() -> tuple[Path, tuple, dict]:
     path = require_run()
     if path is None:
         st.stop()
-    key = stamp(path)
-    row = guarded(run_row, str(path), key, path=path)
+    key = loaders.stamp(path)
+    row = loaders.guarded(loaders.run_row, str(path), key, path=path)
     if row is None:
         st.stop()
     return path, key, row
@@ -178,28 +150,11 @@ def page_runs() -> tuple[Path, pd.DataFrame, list]:
     if folder is None or not has_run_files(folder):  # the same message every page gives
         require_run()
         st.stop()
-    table = guarded(runs_table, str(folder), folder_stamp(folder))
+    table = loaders.guarded(loaders.runs_table, str(folder), loaders.folder_stamp(folder))
     if table is None:
         st.stop()
     runs, unreadable = table
     return folder, runs, unreadable
-
-
-def report(exc: Exception, path: Optional[Path] = None) -> None:
-    """One clear line for a run that cannot be shown (never a traceback)."""
-    where = f" ({path.name})" if path is not None else ""
-    st.error(f"Cannot show this run{where}: {exc}")
-
-
-def guarded(fn: Callable, *args: Any, path: Optional[Path] = None, **kwargs: Any) -> Any:
-    """Call a loader; on a bad file show one line and return None."""
-    try:
-        return fn(*args, **kwargs)
-    except RunError as exc:
-        report(exc, path)
-    except Exception as exc:  # corrupt files surface as many sqlite/pandas errors: still one line
-        report(RunError(f"{type(exc).__name__}: {exc}"), path)
-    return None
 
 
 # -- step range (shared by the charts; findings and events jump it) ----------------------------------
@@ -253,130 +208,3 @@ def inspect_step(first: int, last: int, default: int) -> int:
     st.number_input("Step", min_value=first, max_value=last, step=1, key="inspect_step",
                     on_change=_keep, args=("_inspect", "inspect_step"))
     return int(st.session_state["_inspect"])
-
-
-def fmt(x: Any, spec: str = "{:.4g}", nan: str = "NaN") -> str:
-    """A number for display: NaN stays visibly 'NaN' (st.dataframe shows NaN as 'None'); None is '–'."""
-    if x is None:
-        return "–"
-    if isinstance(x, float) and math.isnan(x):
-        return nan
-    return spec.format(x)
-
-
-def readable(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
-    """A copy for display with ``columns`` (name -> text for NaN) as text: NaN and 'not recorded' differ."""
-    out = df.copy()
-    for col, nan in columns.items():
-        out[col] = [fmt(v, nan=nan) for v in out[col].astype(object)]
-    return out
-
-
-def download(df: pd.DataFrame, name: str, label: str = "Download CSV") -> None:
-    st.download_button(label, df.to_csv(index=False).encode(), file_name=name, mime="text/csv",
-                       key=f"dl:{name}")
-
-
-# -- cached data (keyed on the file's stamp; returns pickled copies, never connections) --------------
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def runs_table(folder: str, key: tuple) -> tuple[pd.DataFrame, list]:
-    return dashdata.runs_table(folder)
-
-
-@st.cache_data(show_spinner="Reading steps...", max_entries=64)
-def overview(path: str, key: tuple, start: Optional[int] = None, end: Optional[int] = None):
-    return dashdata.overview_data(path, start, end)
-
-
-@st.cache_data(show_spinner="Reading layers...", max_entries=32)
-def heatmap(path: str, key: tuple, metric: str, start: Optional[int], end: Optional[int]):
-    return layerdata.layer_heatmap(path, metric, start, end)
-
-
-@st.cache_data(show_spinner="Reading modules...", max_entries=32)
-def headroom(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
-    return layerdata.module_headroom(path, start, end)
-
-
-@st.cache_data(show_spinner=False, max_entries=32)
-def zero_grads(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
-    return layerdata.zero_grad_fraction(path, start, end)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def events(path: str, key: tuple) -> pd.DataFrame:
-    return dashdata.events(path)
-
-
-@st.cache_data(show_spinner=False, max_entries=256)
-def step_detail(path: str, key: tuple, step: int) -> dict:
-    return dashdata.step_detail(path, step)
-
-
-@st.cache_data(show_spinner="Reading the job's ranks...", max_entries=16)
-def job_view(folder: str, key: tuple, file: str) -> groupview.JobView:
-    """The job ``file`` belongs to (keyed on the whole folder's stamp: any rank may grow)."""
-    return groupview.job_view(folder, file)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def run_row(path: str, key: tuple) -> dict:
-    return dashdata.run_row(path)
-
-
-@st.cache_data(show_spinner=False, max_entries=64)
-def skip_rate(path: str, key: tuple) -> pd.DataFrame:
-    return dashdata.skip_rate(path)
-
-
-@st.cache_data(show_spinner="Running the doctor...", max_entries=64)
-def findings(path: str, key: tuple) -> list[dict]:
-    """The doctor's findings as dicts; [] while ampwatch.doctor is not available."""
-    import ampwatch
-    try:
-        found = ampwatch.diagnose(ampwatch.load(path))
-    except (ImportError, AttributeError):
-        return []
-    return [f.to_dict() if hasattr(f, "to_dict") else dict(vars(f)) for f in found]
-
-
-def doctor_findings(path: Path, key: tuple) -> list[dict]:
-    """The doctor's findings when it has run or may run by itself (small runs); [] otherwise."""
-    row = guarded(run_row, str(path), key, path=path)
-    if row is None:
-        return []
-    if row["steps"] <= AUTO_DOCTOR_STEPS or st.session_state.get(f"doctor:{path.name}"):
-        return guarded(findings, str(path), key, path=path) or []
-    return []
-
-
-def show_step(path: Path, key: tuple, step: int) -> None:
-    """Every recorded figure at ``step``: the step row, events, layers, modules, metrics (sortable)."""
-    detail = guarded(step_detail, str(path), key, step, path=path)
-    if detail is None:
-        return
-    st.subheader(f"Step {step}")
-    if detail["step"].empty:
-        st.info(f"Step {step} was not recorded in this run.")
-        return
-    st.dataframe(detail["step"], hide_index=True, key="step_row")
-    if len(detail["events"]):
-        st.markdown("**NaN/Inf events** (origin first)")
-        ev = detail["events"]
-        nan_text = {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in ev else {})}
-        st.dataframe(readable(ev, nan_text), hide_index=True, key="step_events")
-    if detail["layers"].empty:
-        near = detail["layer_step_at_or_before"]
-        st.info(f"No per-layer rows at step {step}: they are written every `layer_every` steps and on skipped "
-                "or non-finite steps" + (f"; the nearest earlier one is step {near}." if near is not None else "."))
-    else:
-        st.markdown("**Per layer** (click a header to sort)")
-        st.dataframe(detail["layers"], hide_index=True, key="step_layers")
-        download(detail["layers"], f"{path.stem}_step{step}_layers.csv", "Download layers (CSV)")
-    if len(detail["modules"]):
-        st.markdown("**Per module** (max |value|; backward is the scaled gradient)")
-        st.dataframe(detail["modules"], hide_index=True, key="step_modules")
-    if len(detail["metrics"]):
-        st.markdown("**Logged metrics**")
-        st.dataframe(detail["metrics"], hide_index=True, key="step_metrics")

@@ -1,0 +1,44 @@
+"""Numbers and findings as short text for the pages, and a shown table as a CSV download."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+SEVERITY_ICON = {"error": ":material/error:", "warning": ":material/warning:", "info": ":material/info:"}
+SEVERITY_BADGE = {"error": ":red-badge[:material/error: ERROR]", "warning": ":orange-badge[:material/warning: WARNING]",
+                  "info": ":blue-badge[:material/info: INFO]"}
+
+
+def fmt(x: Any, spec: str = "{:.4g}", nan: str = "NaN") -> str:
+    """A number for display: NaN stays visibly 'NaN' (st.dataframe shows NaN as 'None'); None is '–'."""
+    if x is None:
+        return "–"
+    if isinstance(x, float) and math.isnan(x):
+        return nan
+    return spec.format(x)
+
+
+def fmt_scale(x: Any) -> str:
+    """A loss scale short enough for a headline: 65536 as is, 2^-53 for tiny or huge powers of two."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return fmt(x)
+    if 1 <= x < 1e7:
+        return f"{x:g}"
+    m, e = math.frexp(float(x))
+    return f"2^{e - 1}" if m == 0.5 else f"{x:.2g}"
+
+
+def readable(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """A copy for display with ``columns`` (name -> text for NaN) as text: NaN and 'not recorded' differ."""
+    out = df.copy()
+    for col, nan in columns.items():
+        out[col] = [fmt(v, nan=nan) for v in out[col].astype(object)]
+    return out
+
+
+def download(df: pd.DataFrame, name: str, label: str = "Download CSV") -> None:
+    st.download_button(label, df.to_csv(index=False).encode(), file_name=name, mime="text/csv",
+                       key=f"dl:{name}")

@@ -1,0 +1,125 @@
+"""Cached data for the pages: thin ``@st.cache_data`` wrappers of the library's readers.
+
+Every loader is keyed on the file's stamp (:func:`stamp`: (mtime, size) of the file and of its WAL),
+so a live run reloads; they return pickled copies (rows, DataFrames), never connections.
+:func:`guarded` calls one and turns a file that cannot be read into one line in the page.
+The app reads the library through this module only (pages import ``ampwatch.figures`` for drawing).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import streamlit as st
+
+import ampwatch
+from ampwatch import dashdata, groupview, layerdata
+from ampwatch.errors import RunError
+from ampwatch.layerdata import LAYER_METRICS, grid_frame  # noqa: F401 - for the Layers page
+from ampwatch.reader import RUN_SUFFIXES
+
+AUTO_DOCTOR_STEPS = 1_000_000  # ~5 s of doctor at 1M steps (bench/doctor.py); bigger runs ask first
+
+
+def stamp(path: Path) -> tuple:
+    """(mtime, size) of the file and of its WAL: a live run's new rows land in the WAL first."""
+    out: list = []
+    for p in (path, Path(f"{path}-wal")):
+        try:
+            st_ = p.stat()
+            out += [st_.st_mtime_ns, st_.st_size]
+        except OSError:
+            out += [0, 0]
+    return tuple(out)
+
+
+def folder_stamp(folder: Path) -> tuple:
+    try:
+        return tuple(sorted((f.name,) + stamp(f) for f in folder.iterdir() if f.suffix in RUN_SUFFIXES))
+    except OSError:
+        return ()
+
+
+def report(exc: Exception, path: Optional[Path] = None) -> None:
+    """One clear line for a run that cannot be shown (never a traceback)."""
+    where = f" ({path.name})" if path is not None else ""
+    st.error(f"Cannot show this run{where}: {exc}")
+
+
+def guarded(fn: Callable, *args: Any, path: Optional[Path] = None, **kwargs: Any) -> Any:
+    """Call a loader; on a bad file show one line and return None."""
+    try:
+        return fn(*args, **kwargs)
+    except RunError as exc:
+        report(exc, path)
+    except Exception as exc:  # corrupt files surface as many sqlite/pandas errors: still one line
+        report(RunError(f"{type(exc).__name__}: {exc}"), path)
+    return None
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def runs_table(folder: str, key: tuple) -> tuple[pd.DataFrame, list]:
+    return dashdata.runs_table(folder)
+
+
+@st.cache_data(show_spinner="Reading steps...", max_entries=64)
+def overview(path: str, key: tuple, start: Optional[int] = None, end: Optional[int] = None):
+    return dashdata.overview_data(path, start, end)
+
+
+@st.cache_data(show_spinner="Reading layers...", max_entries=32)
+def heatmap(path: str, key: tuple, metric: str, start: Optional[int], end: Optional[int]):
+    return layerdata.layer_heatmap(path, metric, start, end)
+
+
+@st.cache_data(show_spinner="Reading modules...", max_entries=32)
+def headroom(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
+    return layerdata.module_headroom(path, start, end)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def zero_grads(path: str, key: tuple, start: Optional[int], end: Optional[int]) -> pd.DataFrame:
+    return layerdata.zero_grad_fraction(path, start, end)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def events(path: str, key: tuple) -> pd.DataFrame:
+    return dashdata.events(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def step_detail(path: str, key: tuple, step: int) -> dict:
+    return dashdata.step_detail(path, step)
+
+
+@st.cache_data(show_spinner="Reading the job's ranks...", max_entries=16)
+def job_view(folder: str, key: tuple, file: str) -> groupview.JobView:
+    """The job ``file`` belongs to (keyed on the whole folder's stamp: any rank may grow)."""
+    return groupview.job_view(folder, file)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def run_row(path: str, key: tuple) -> dict:
+    return dashdata.run_row(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def skip_rate(path: str, key: tuple) -> pd.DataFrame:
+    return dashdata.skip_rate(path)
+
+
+@st.cache_data(show_spinner="Running the doctor...", max_entries=64)
+def findings(path: str, key: tuple) -> list[dict]:
+    """The doctor's findings as dicts."""
+    return [f.to_dict() for f in ampwatch.diagnose(ampwatch.load(path))]
+
+
+def doctor_findings(path: Path, key: tuple) -> list[dict]:
+    """The doctor's findings when it has run or may run by itself (small runs); [] otherwise."""
+    row = guarded(run_row, str(path), key, path=path)
+    if row is None:
+        return []
+    if row["steps"] <= AUTO_DOCTOR_STEPS or st.session_state.get(f"doctor:{path.name}"):
+        return guarded(findings, str(path), key, path=path) or []
+    return []
