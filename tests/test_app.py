@@ -22,7 +22,7 @@ from streamlit.testing.v1 import AppTest
 
 import ampwatch
 from ampwatch.writer import _INSERTS, create_run_file
-from sqltruth import sql_frame as _sql
+from helpers.sqltruth import sql_frame as _sql
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app" / "streamlit_app.py")

@@ -11,7 +11,7 @@ from torch.nn.utils import clip_grad_norm_ as bound_before_attach
 import ampwatch
 from ampwatch import dashdata, figures
 from ampwatch.reader import clip_threshold
-from loops import data, mlp
+from helpers.loops import data, mlp
 
 ORIGINALS = {name: getattr(torch.nn.utils, name) for name in ("clip_grad_norm_", "clip_grads_with_norm_")}
 

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 import ampwatch
-from loops import Amplify
+from helpers.loops import Amplify
 
 
 class BackwardBomb(nn.Module):

@@ -15,7 +15,7 @@ from ampwatch import dashdata, layerdata
 from ampwatch.errors import RunError
 from ampwatch.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 from ampwatch.writer import _INSERTS, create_run_file
-from sqltruth import sql_frame as _sql
+from helpers.sqltruth import sql_frame as _sql
 
 SAMPLES = sorted(Path(__file__).resolve().parent.parent.glob("sample_runs/*.sqlite"))
 

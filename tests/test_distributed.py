@@ -1,5 +1,4 @@
 """Issue 2, correctness 8: under DDP (gloo, 2 CPU processes) each rank records its own file."""
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -7,17 +6,12 @@ from pathlib import Path
 import pytest
 
 import ampwatch
-
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+from helpers.ports import free_port
 
 
 def test_each_rank_records_its_own_file(tmp_path):
-    worker = Path(__file__).with_name("ddp_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), _free_port()],
+    worker = Path(__file__).parent / "helpers" / "ddp_worker.py"
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), free_port()],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = sorted(p.name for p in tmp_path.glob("*.sqlite"))

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 import ampwatch
 from ampwatch.doctor import diagnose
-from loops import amp_step, data
+from helpers.loops import amp_step, data
 
 FP16_MAX = 65504.0
 

@@ -1,6 +1,6 @@
 """Issue 12: the recorder under FSDP2 (DTensor shards) and FSDP1 with ShardedGradScaler.
 
-Two real gloo processes on the CPU (tests/fsdp_worker.py), spawned once for every test here; the
+Two real gloo processes on the CPU (tests/helpers/fsdp_worker.py), spawned once for every test here; the
 harness's own numbers (full-tensor norms through its own collectives, parameters compared before
 and after each step) are the ground truth. The global gradient norm is rebuilt from the two rank
 files as sqrt(sum over ranks of grad_norm^2), as a reader must do for 'sharded' runs.
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,22 +17,17 @@ from pathlib import Path
 import pytest
 
 import ampwatch
+from helpers.ports import free_port
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "fsdp_worker.py"
 FSDP2_SCENARIOS = ("fp16", "mp_fp16", "mp_bf16")
-BAD_STEP, BAD_RANK = 4, 1  # as in fsdp_worker.py
-
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+BAD_STEP, BAD_RANK = 4, 1  # as in helpers/fsdp_worker.py
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), port, str(rank), "2"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]

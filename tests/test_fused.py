@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ampwatch
-from loops import data, mlp, snapshot, changed
+from helpers.loops import data, mlp, snapshot, changed
 
 
 def fused_storm(tmp_path, *, steps: int = 40, clip: bool = False, accum: int = 1):

@@ -22,7 +22,7 @@ from ampwatch import dashdata, layerdata
 from ampwatch.cli import cli
 from ampwatch.errors import RunError
 from ampwatch.summary import summarize
-from loops import amp_step, data, mlp
+from helpers.loops import amp_step, data, mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 COPIES = 300  # 60 of each kind of damage

@@ -1,6 +1,6 @@
 """Issue 12: the ranks of one job read back together (load_group), which rank did it, and the CLI.
 
-One real 4-rank DDP job (gloo, CPU; tests/group_worker.py) with a forward overflow injected into
+One real 4-rank DDP job (gloo, CPU; tests/helpers/group_worker.py) with a forward overflow injected into
 rank 2's batch at one step is spawned once per module and shared by the tests that read it.
 Synthetic jobs (sharded norms, several jobs in a folder) are written with the run writer directly.
 """
@@ -22,10 +22,9 @@ from ampwatch.cli import cli
 from ampwatch.group import load_groups
 from ampwatch.group_doctor import diagnose_group
 
-sys.path.insert(0, str(Path(__file__).parent))
-from groupjob import step_rows, write_rank  # noqa: E402
-from group_worker import BAD_RANK, BAD_STEP, STEPS, WORLD  # noqa: E402
-from test_distributed import _free_port  # noqa: E402
+from helpers.group_worker import BAD_RANK, BAD_STEP, STEPS, WORLD
+from helpers.ports import free_port
+from helpers.synthetic_job import step_rows, write_rank
 
 
 def _sql(path: Path, sql: str, params: tuple = ()) -> list:
@@ -39,8 +38,8 @@ def _sql(path: Path, sql: str, params: tuple = ()) -> list:
 @pytest.fixture(scope="module")
 def ddp_job(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddp_job")
-    worker = Path(__file__).with_name("group_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), str(out), _free_port()],
+    worker = Path(__file__).parent / "helpers" / "group_worker.py"
+    proc = subprocess.run([sys.executable, str(worker), str(out), free_port()],
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("*.sqlite")) == [f"ddp.rank{r}.sqlite" for r in range(WORLD)]

@@ -1,11 +1,9 @@
 """Issue 12: the dashboard's Ranks page (AppTest) and its figure, on a synthetic job and a single run."""
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import base64
+import os
+from pathlib import Path
 
 import numpy as np
 import plotly.io
@@ -14,9 +12,8 @@ from streamlit.testing.v1 import AppTest
 
 from ampwatch import figures
 from ampwatch.groupview import job_view
+from helpers.synthetic_job import bad_batch_job
 
-sys.path.insert(0, str(Path(__file__).parent))
-from groupjob import bad_batch_job  # noqa: E402
 
 def _values(v) -> list:
     """Trace data as a list: Plotly's JSON carries numpy arrays as {'dtype', 'bdata'} (base64)."""

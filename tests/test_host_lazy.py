@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
 from ampwatch.record.watch import _AutocastProbe
-from loops import amp_step, data, mlp
+from helpers.loops import amp_step, data, mlp
 
 
 class CountReductions(TorchDispatchMode):

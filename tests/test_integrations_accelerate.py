@@ -1,6 +1,6 @@
 """Issue 6: ``ampwatch.attach`` on what ``accelerator.prepare`` returns, one process per mode.
 
-Each mode runs tests/accelerate_worker.py in its own process (accelerate's state is process-global);
+Each mode runs tests/helpers/accelerate_worker.py in its own process (accelerate's state is process-global);
 the four run side by side. Ground truth is written by the worker from the loop itself.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import ampwatch
 pytest.importorskip("accelerate")
 
 MODES = ["fp16", "bf16", "fp16-scaler", "fp16-scaler-fused"]
-WORKER = Path(__file__).with_name("accelerate_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "accelerate_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ampwatch
 from ampwatch.demo import TinyGPT, batches
-from loops import amp_step, data, mlp
+from helpers.loops import amp_step, data, mlp
 
 
 def gpt_run(tmp_path, steps, fault=None, init_scale=2.0 ** 12, **options):

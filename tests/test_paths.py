@@ -12,8 +12,8 @@ import torch
 import ampwatch
 from ampwatch.errors import RunExistsError, RunPathIsFolderError
 from ampwatch.runinfo import names_rank, resolve_path
-from loops import train
-from test_distributed import _free_port
+from helpers.loops import train
+from helpers.ports import free_port
 
 
 def _attach(path, **options):
@@ -87,8 +87,8 @@ def test_a_fixed_path_that_contains_a_rank_number_still_gives_distinct_files(tmp
 
 
 def test_two_gloo_ranks_get_their_own_files_for_every_kind_of_path(tmp_path):
-    worker = Path(__file__).with_name("paths_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), _free_port()],
+    worker = Path(__file__).parent / "helpers" / "paths_worker.py"
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), free_port()],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = sorted(p.name for p in tmp_path.glob("*.sqlite"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ampwatch
-from loops import amp_step, data, mlp, snapshot, changed, train
+from helpers.loops import amp_step, data, mlp, snapshot, changed, train
 
 # every recorder test runs on the CPU's free-read path and on the accelerator path (issue 9)
 pytestmark = pytest.mark.usefixtures("record_path")

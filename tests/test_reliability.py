@@ -21,7 +21,7 @@ import torch
 
 import ampwatch
 from ampwatch.damage import damaged_tables
-from loops import amp_step, data, mlp, snapshot, changed
+from helpers.loops import amp_step, data, mlp, snapshot, changed
 
 TESTS = str(Path(__file__).parent)
 PAUSE_ENV = "AMPWATCH_TEST_WRITER_PAUSE"  # the writer's test-only hook (ampwatch/writer.py: _test_pause)
@@ -46,7 +46,7 @@ def _contiguous(path: Path) -> int:
 DISK_FULL = textwrap.dedent("""
     import json, resource, signal, sys, warnings, torch, ampwatch
     sys.path.insert(0, {tests!r})
-    from loops import amp_step, changed, data, mlp, snapshot
+    from helpers.loops import amp_step, changed, data, mlp, snapshot
     torch.set_num_threads(1)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails (EFBIG) instead of killing us
     resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
@@ -155,7 +155,7 @@ def test_reader_polling_every_100ms_never_fails_the_writer(tmp_path):
 TRAIN_FOREVER = textwrap.dedent("""
     import sys, torch, ampwatch
     sys.path.insert(0, {tests!r})
-    from loops import amp_step, data, mlp
+    from helpers.loops import amp_step, data, mlp
     torch.set_num_threads(1)
     model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")

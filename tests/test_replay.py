@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
-from loops import Amplify, amp_step
+from helpers.loops import Amplify, amp_step
 
 EVENT_COLS = ["step", "phase", "module", "kind", "origin", "micro_batch", "amax", "dtype"]
 

@@ -19,12 +19,12 @@ import torch
 import ampwatch
 from ampwatch.reader import STALE_AFTER_S, effective_status
 from ampwatch.schema import SCHEMA_VERSION
-from loops import amp_step, data, mlp, train
+from helpers.loops import amp_step, data, mlp, train
 
 TRAIN_FOREVER = textwrap.dedent("""
     import sys, torch, ampwatch
     sys.path.insert(0, {tests!r})
-    from loops import amp_step, data, mlp
+    from helpers.loops import amp_step, data, mlp
     torch.set_num_threads(1)
     model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
@@ -78,7 +78,7 @@ def test_unclosed_watch_closed_at_exit_and_uncaught_exception_is_crashed(tmp_pat
         script = textwrap.dedent(f"""
             import sys, torch, ampwatch
             sys.path.insert(0, {str(Path(__file__).parent)!r})
-            from loops import amp_step, data, mlp
+            from helpers.loops import amp_step, data, mlp
             model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             scaler = torch.amp.GradScaler("cpu")
             watch = ampwatch.attach(model, opt, scaler, path={str(path)!r})

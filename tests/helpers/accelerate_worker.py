@@ -1,6 +1,6 @@
 """One Accelerate training run under ampwatch, in its own process (accelerate's state is process-global).
 
-    python tests/accelerate_worker.py MODE OUT_DIR
+    python tests/helpers/accelerate_worker.py MODE OUT_DIR
 
 MODE: ``fp16`` / ``bf16`` (``Accelerator(mixed_precision=..., cpu=True)`` as is: no scaler on the CPU),
 ``fp16-scaler`` (the GPU code path on the CPU: a real CPU GradScaler given to the Accelerator before
