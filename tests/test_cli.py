@@ -108,7 +108,7 @@ def test_demo_regenerates_a_sample(tmp_path):
     committed = ampwatch.load(SAMPLES / "bf16_noscaler.sqlite").steps
     # The committed sample was trained on another machine: CPU bf16 kernels differ in the last bits
     # between CPUs (native bf16 units or not), and training compounds it, so compare structure and
-    # the loss curve with tolerances, never bitwise (issue 11). Still fails for a different recipe,
+    # the loss curve with tolerances, never bitwise. Still fails for a different recipe,
     # seed, model or a recorder that drops, shifts or garbles rows.
     assert list(fresh["step"]) == list(committed["step"]) == list(range(300))
     assert list(fresh["skipped"]) == list(committed["skipped"])  # bf16 without a scaler: never skips

@@ -1,4 +1,4 @@
-"""Issue 13: the clip threshold is learned from the clip_grad_norm_ call itself, whatever the loop's
+"""The clip threshold is learned from the clip_grad_norm_ call itself, whatever the loop's
 config calls it, and drawn in the overview; torch's functions are restored when the last watch closes."""
 from __future__ import annotations
 

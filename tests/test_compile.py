@@ -1,4 +1,4 @@
-"""Issue 9: recording under torch.compile (aot_eager: inductor compiles too slowly on 2 cores).
+"""Recording under torch.compile (aot_eager: inductor compiles too slowly on 2 cores).
 
 Ground truth is the eager run of the same model and data: the compiled run must record the same
 steps, skips, scales and norms, localize the same injected faults, add no graph break and no

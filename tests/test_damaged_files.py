@@ -1,4 +1,4 @@
-"""Issue 11: damaged run files. Seeded damage (bit flips in the header and in table pages, truncation,
+"""Damaged run files. Seeded damage (bit flips in the header and in table pages, truncation,
 zeroed 4 KiB pages, garbage runs, a WAL flag without its -wal) of two real runs; every reader and every
 CLI command must answer with a RunError / one line on stderr and exit 2, or read the file; never another
 exception, never a traceback, never a changed or new file."""

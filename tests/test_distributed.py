@@ -1,4 +1,4 @@
-"""Issue 2, correctness 8: under DDP (gloo, 2 CPU processes) each rank records its own file."""
+"""Under DDP (gloo, 2 CPU processes) each rank records its own file."""
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +19,7 @@ def test_each_rank_records_its_own_file(tmp_path):
     runs = [ampwatch.load(tmp_path / f) for f in files]
     assert [r.info["rank"] for r in runs] == [0, 1]
     assert all(r.info["world_size"] == 2 and r.info["config"] == {"world": 2} for r in runs)
-    # issue 12: DDP's gradients are replicas; both ranks name the same job (agreed without a collective)
+    # DDP's gradients are replicas; both ranks name the same job (agreed without a collective)
     assert [r.info["grad_sharding"] for r in runs] == ["replicated"] * 2
     assert runs[0].info["job_id"] == runs[1].info["job_id"] and runs[0].info["job_id"].startswith("127.0.0.1:")
     for r in runs:

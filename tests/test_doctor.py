@@ -1,5 +1,5 @@
 """The doctor on real recorded runs: one faulty run per rule that must fire it, and healthy MLP, CNN
-and transformer runs on which no rule may warn (issue 5). Faults come from real mechanisms: an
+and transformer runs on which no rule may warn. Faults come from real mechanisms: an
 outlier batch, a module whose output overflows, a tiny init_scale, gradient ascent, misuse of the
 scaler. Each run is recorded once per module (fixtures) and only read afterwards."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The doctor's accuracy on real recorded runs (issue 10): injected faults × architectures, each
+"""The doctor's accuracy on real recorded runs: injected faults × architectures, each
 checked against a ground truth this test computes itself, without ampwatch; healthy runs of four
 architectures at the default scale and at init_scale=2**24; the fp32 recompute changes nothing.
 

@@ -89,7 +89,7 @@ def test_headroom_marks_modules_near_the_limit_red():
 def test_zero_grad_and_compare_figures():
     zero = layerdata.zero_grad_fraction(SAMPLES / "healthy_fp16.sqlite")
     fig = figures.zero_grad_figure(zero)
-    # a tied weight is drawn under all its names (issue 13): TinyGPT ties lm_head to wte
+    # a tied weight is drawn under all its names: TinyGPT ties lm_head to wte
     assert list(fig.data[0].y) == [layerdata.alias_label(n, a) for n, a in zip(zero["layer"], zero["aliases"])]
     assert "wte.weight = lm_head.weight" in list(fig.data[0].y)
     runs = {p.stem: dashdata.overview_data(p) for p in sorted(SAMPLES.glob("*.sqlite"))[:3]}

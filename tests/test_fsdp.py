@@ -1,4 +1,4 @@
-"""Issue 12: the recorder under FSDP2 (DTensor shards) and FSDP1 with ShardedGradScaler.
+"""The recorder under FSDP2 (DTensor shards) and FSDP1 with ShardedGradScaler.
 
 Two real gloo processes on the CPU (tests/helpers/fsdp_worker.py), spawned once for every test here; the
 harness's own numbers (full-tensor norms through its own collectives, parameters compared before

@@ -1,4 +1,4 @@
-"""Issue 6, item 4: fused optimizers. GradScaler always calls a fused optimizer's ``step()``; the kernel
+"""Fused optimizers. GradScaler always calls a fused optimizer's ``step()``; the kernel
 skips the update itself when the scaler found inf. So "step() was not called" cannot be the skip
 signal: the recorded skips must still equal the parameter ground truth in an overflow storm.
 (``torch.optim.AdamW(fused=True)`` runs on the CPU in torch 2.13, grad_scale/found_inf included.)

@@ -1,4 +1,4 @@
-"""Issue 9 on CUDA: the transfer/event path, fused AdamW, a real fp16 overflow. Skipped without CUDA."""
+"""The recorder on CUDA: the transfer/event path, fused AdamW, a real fp16 overflow. Skipped without CUDA."""
 from __future__ import annotations
 
 import pytest

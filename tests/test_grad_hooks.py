@@ -1,4 +1,4 @@
-"""Issue 9: eager gradient observation fills a tensor's hook dict directly (``_add_grad_hook``).
+"""Eager gradient observation fills a tensor's hook dict directly (``_add_grad_hook``).
 
 It skips ``Tensor.register_hook``'s Python costs, so it must keep that method's semantics: the
 user's own tensor hooks on module outputs run as before and see what they saw without ampwatch

@@ -1,4 +1,4 @@
-"""Issue 12: the ranks of one job read back together (load_group), which rank did it, and the CLI.
+"""The ranks of one job read back together (load_group), which rank did it, and the CLI.
 
 One real 4-rank DDP job (gloo, CPU; tests/helpers/group_worker.py) with a forward overflow injected into
 rank 2's batch at one step is spawned once per module and shared by the tests that read it.

@@ -1,4 +1,4 @@
-"""Issue 9, CPU path: module values are reduced only on steps that need them.
+"""The CPU (host) path: module values are reduced only on steps that need them.
 
 Where reads are free, a step's queued module tensors are reduced when its backward ends, and only
 when the loss or a gradient is non-finite, on ``layer_every`` steps, or while the observer learns

@@ -1,4 +1,4 @@
-"""Issue 6: ``ampwatch.attach`` on what ``accelerator.prepare`` returns, one process per mode.
+"""``ampwatch.attach`` on what ``accelerator.prepare`` returns, one process per mode.
 
 Each mode runs tests/helpers/accelerate_worker.py in its own process (accelerate's state is process-global);
 the four run side by side. Ground truth is written by the worker from the loop itself.

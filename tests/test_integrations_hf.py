@@ -1,4 +1,4 @@
-"""Issue 6: the Hugging Face Trainer callback on a tiny GPT-2 (built from a config, random weights) on the CPU.
+"""The Hugging Face Trainer callback on a tiny GPT-2 (built from a config, random weights) on the CPU.
 
 Ground truth is the Trainer's own ``log_history`` (loss, grad_norm at logging_steps=1) and, for the
 GradScaler path, parameter snapshots around each optimizer step.

@@ -1,4 +1,4 @@
-"""Issue 6: the Lightning callback on a tiny LightningModule on the CPU.
+"""The Lightning callback on a tiny LightningModule on the CPU.
 
 ``precision="16-mixed"`` runs through the real MixedPrecision plugin with a CPU GradScaler whose huge
 initial scale makes real skipped steps. Ground truth comes from a separate callback: parameter

@@ -1,4 +1,4 @@
-"""Issue 13: nanoGPT's loop (examples/nanogpt_loop.py) recorded with one line; every column is checked
+"""nanoGPT's loop (examples/nanogpt_loop.py) recorded with one line; every column is checked
 against the numbers the loop computes itself, including the loss nanoGPT prints."""
 from __future__ import annotations
 

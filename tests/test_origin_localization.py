@@ -1,4 +1,4 @@
-"""Issue 3: where NaN/Inf is born. The injected fault's location is the ground truth."""
+"""Where NaN/Inf is born. The injected fault's location is the ground truth."""
 from __future__ import annotations
 
 import pytest
@@ -249,8 +249,9 @@ def test_detach_removes_every_hook(tmp_path):
 
 @pytest.mark.parametrize("bad", [0, 1, 2])
 def test_event_names_the_micro_batch_that_overflowed(tmp_path, record_path, bad):
-    """Issue 12: "rank 3's micro-batch 2". A bad sample in micro-batch ``bad`` of 3 at step 2 only
-    (the first, a middle and the last one: the last is never marked by a later root call)."""
+    """An event names its micro-batch ("rank 3's micro-batch 2"). A bad sample in micro-batch ``bad``
+    of 3 at step 2 only (the first, a middle and the last one: the last is never marked by a later
+    root call)."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
@@ -288,7 +289,7 @@ class Block(nn.Module):
 
 @pytest.mark.parametrize("kind, into", [("forward", "blk.b"), ("backward", "blk.a")])
 def test_origin_in_a_containers_own_code_names_the_child_it_flows_into(tmp_path, record_path, kind, into):
-    """Issue 10's ``flows_into`` from the static slots: forward, the first child (finish order) with a
+    """``flows_into`` from the static slots: forward, the first child (finish order) with a
     non-finite input; backward, the first child (reverse order) with a non-finite output gradient."""
     torch.manual_seed(0)
     model = nn.Sequential()

@@ -1,4 +1,4 @@
-"""Issue 13 (and 12): where a run goes. An explicit path is never silently redirected; per-rank
+"""Where a run goes. An explicit path is never silently redirected; per-rank
 paths are used as given, ``{rank}`` is filled in, a path shared by ranks gets distinct files."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12: the dashboard's Ranks page (AppTest) and its figure, on a synthetic job and a single run."""
+"""The dashboard's Ranks page (AppTest) and its figure, on a synthetic job and a single run."""
 from __future__ import annotations
 
 import base64

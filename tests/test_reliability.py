@@ -1,4 +1,4 @@
-"""Issue 11, recording under hostile conditions, with real subprocesses and real signals: disk full,
+"""Recording under hostile conditions, with real subprocesses and real signals: disk full,
 the run's folder removed, readers polling a live run, SIGKILL inside a commit and inside the close-time
 checkpoint. After each, the file reads with every step up to the last completed commit."""
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_gradient_accumulation_one_row_per_optimizer_step(tmp_path):
 
 @pytest.mark.parametrize("divide, log", [(True, False), (False, False), (True, True)])
 def test_loss_is_the_sum_of_what_the_scaler_saw_or_the_mean_of_logged_losses(tmp_path, divide, log):
-    """Issue 13: the loss a user means. With nanoGPT's loss / k the row is the mean micro-batch loss;
+    """The loss a user means. With nanoGPT's loss / k the row is the mean micro-batch loss;
     a loop that does not divide gets k x the mean (what its gradient is the gradient of);
     watch.log(loss=...) wins with the mean of the logged values."""
     model = mlp()

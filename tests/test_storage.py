@@ -1,4 +1,4 @@
-"""Issue 2, storage: crash safety with real subprocesses, failure isolation, read-only bad input."""
+"""Storage: crash safety with real subprocesses, failure isolation, read-only bad input."""
 from __future__ import annotations
 
 import hashlib

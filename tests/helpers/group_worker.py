@@ -1,5 +1,5 @@
 """Run by test_group.py in a subprocess: 4 DDP ranks (gloo, CPU), each attached to ampwatch, with a
-forward overflow injected into rank 2's second micro-batch at one step (issue 12)."""
+forward overflow injected into rank 2's second micro-batch at one step."""
 import os
 import sys
 

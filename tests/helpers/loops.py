@@ -33,7 +33,7 @@ def data(seed: int = 0, n: int = 64):
 
 def amp_step(model, opt, scaler, x, y, *, accum: int = 1, clip: Optional[float] = None,
              dtype=torch.float16, set_to_none: bool = True, watch=None) -> None:
-    """One optimizer step of the canonical loop (issue 2), with k micro-batches."""
+    """One optimizer step of the canonical loop, with k micro-batches."""
     for xb, yb in zip(x.chunk(accum), y.chunk(accum)):
         with torch.autocast("cpu", dtype=dtype):
             out = model(xb)
