@@ -3,7 +3,7 @@
 Every loader is keyed on the file's stamp (:func:`stamp`: (mtime, size) of the file and of its WAL),
 so a live run reloads; they return pickled copies (rows, DataFrames), never connections.
 :func:`guarded` calls one and turns a file that cannot be read into one line in the page.
-The app reads the library through this module only (pages import ``ampwatch.figures`` for drawing).
+The app reads the library through this module only (pages import ``ampwatch.dashboard.figures`` for drawing).
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pandas as pd
 import streamlit as st
 
 import ampwatch
-from ampwatch import dashdata, groupview, layerdata
+from ampwatch.dashboard import layerdata, ranks, rundata
+from ampwatch.dashboard.layerdata import LAYER_METRICS, grid_frame  # noqa: F401 - for the Layers page
 from ampwatch.errors import RunError
-from ampwatch.layerdata import LAYER_METRICS, grid_frame  # noqa: F401 - for the Layers page
-from ampwatch.reader import RUN_SUFFIXES
+from ampwatch.store.reader import RUN_SUFFIXES
 
 AUTO_DOCTOR_STEPS = 1_000_000  # ~5 s of doctor at 1M steps (bench/doctor.py); bigger runs ask first
 
@@ -60,12 +60,12 @@ def guarded(fn: Callable, *args: Any, path: Optional[Path] = None, **kwargs: Any
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def runs_table(folder: str, key: tuple) -> tuple[pd.DataFrame, list]:
-    return dashdata.runs_table(folder)
+    return rundata.runs_table(folder)
 
 
 @st.cache_data(show_spinner="Reading steps...", max_entries=64)
 def overview(path: str, key: tuple, start: Optional[int] = None, end: Optional[int] = None):
-    return dashdata.overview_data(path, start, end)
+    return rundata.overview_data(path, start, end)
 
 
 @st.cache_data(show_spinner="Reading layers...", max_entries=32)
@@ -85,28 +85,28 @@ def zero_grads(path: str, key: tuple, start: Optional[int], end: Optional[int]) 
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def events(path: str, key: tuple) -> pd.DataFrame:
-    return dashdata.events(path)
+    return rundata.events(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
 def step_detail(path: str, key: tuple, step: int) -> dict:
-    return dashdata.step_detail(path, step)
+    return rundata.step_detail(path, step)
 
 
 @st.cache_data(show_spinner="Reading the job's ranks...", max_entries=16)
-def job_view(folder: str, key: tuple, file: str) -> groupview.JobView:
+def job_view(folder: str, key: tuple, file: str) -> ranks.JobView:
     """The job ``file`` belongs to (keyed on the whole folder's stamp: any rank may grow)."""
-    return groupview.job_view(folder, file)
+    return ranks.job_view(folder, file)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def run_row(path: str, key: tuple) -> dict:
-    return dashdata.run_row(path)
+    return rundata.run_row(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def skip_rate(path: str, key: tuple) -> pd.DataFrame:
-    return dashdata.skip_rate(path)
+    return rundata.skip_rate(path)
 
 
 @st.cache_data(show_spinner="Running the doctor...", max_entries=64)

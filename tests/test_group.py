@@ -18,9 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 import ampwatch
-from ampwatch.cli import cli
-from ampwatch.group import load_groups
-from ampwatch.group_doctor import diagnose_group
+from ampwatch.cli.main import cli
+from ampwatch.jobs.group import load_groups
+from ampwatch.doctor.job import diagnose_group
 
 from helpers.group_worker import BAD_RANK, BAD_STEP, STEPS, WORLD
 from helpers.ports import free_port

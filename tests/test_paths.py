@@ -11,7 +11,7 @@ import torch
 
 import ampwatch
 from ampwatch.errors import RunExistsError, RunPathIsFolderError
-from ampwatch.runinfo import names_rank, resolve_path
+from ampwatch.record.runinfo import names_rank, resolve_path
 from helpers.loops import train
 from helpers.ports import free_port
 

@@ -10,8 +10,8 @@ import plotly.io
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from ampwatch import figures
-from ampwatch.groupview import job_view
+from ampwatch.dashboard import figures
+from ampwatch.dashboard.ranks import job_view
 from helpers.synthetic_job import bad_batch_job
 
 

@@ -5,7 +5,7 @@ import streamlit as st
 import formatting
 import loaders
 import state
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 st.title("Compare runs")
 if st.session_state.get("_run") is None:  # no folder, or a folder without runs: say which

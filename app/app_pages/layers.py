@@ -4,7 +4,7 @@ import streamlit as st
 import formatting
 import loaders
 import state
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 path, key, row = state.page_run()
 st.title(f"Layers · {row['name']}")

@@ -12,7 +12,7 @@ import streamlit as st
 import formatting
 import loaders
 import state
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 path = state.require_run()
 if path is None:

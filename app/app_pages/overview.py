@@ -5,7 +5,7 @@ import formatting
 import headlines
 import loaders
 import state
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 path, key, row = state.page_run()
 st.title(f"{row['name']}")
