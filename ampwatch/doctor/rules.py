@@ -1,4 +1,4 @@
-"""The doctor's rules: each is a pure function ``Facts -> list[Finding]`` (issues 5, 10).
+"""The doctor's rules: each is a pure function ``Facts -> list[Finding]``.
 
 Grouped by theme: :mod:`.skips` (warm-up, probing, recurring overflow, lone skips: every skipped
 step explained), :mod:`.scale` (collapse, stuck scale),

@@ -29,7 +29,7 @@ step pack copies whole; nothing else touches a tensor. Writing each result into 
 buffer row (``out=`` views) and reading it back cost three times as much host time, and each op
 costs ~15 us inside a training step on the CPU.
 
-Micro-batches (issue 12: which one a value went non-finite in) cost nothing on a step with one
+Micro-batches (which one a value went non-finite in) cost nothing on a step with one
 forward pass of the root module. On a step with k, each new root call marks, in one small per-slot
 tensor, the slots that went non-finite during the previous micro-batch (a fixed handful of ops per
 micro-batch, none per module call); a slot bad at the end and not marked went bad in the last one.

@@ -130,7 +130,7 @@ class PackReader:
 
     def _grad_name(self, analysis: "_Analysis", pid: int) -> str:
         """The name of a parameter with a non-finite gradient; for a tied one, the name under the
-        module whose backward produced it when the module hooks tell (issue 13: nanoGPT's
+        module whose backward produced it when the module hooks tell (nanoGPT's
         ``lm_head.weight``, not ``transformer.wte.weight``, whose embedding runs in fp32)."""
         owners = self.tied.get(pid)
         if not owners:

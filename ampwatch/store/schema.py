@@ -146,7 +146,7 @@ def m003_fp32_counterfactual(db: Database) -> None:
 
 @migrations()
 def m004_faithful_loops(db: Database) -> None:
-    """Issue 13: the loss definition a run used, tied-parameter names and the observed clip threshold."""
+    """Schema 4: the loss definition a run used, tied-parameter names and the observed clip threshold."""
     db.executescript(
         """
         ALTER TABLE run ADD COLUMN loss_definition TEXT;  -- scaled-sum | logged-mean; NULL: older runs (mean)
