@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 import ampwatch
-from ampwatch.cli import cli
-from ampwatch.settings import SETTINGS
+from ampwatch.cli.main import cli
+from ampwatch.record.options import SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -167,3 +167,4 @@ def test_localization_example_is_real_output():
     e = ampwatch.load(ROOT / "sample_runs" / "diverged.sqlite").events
     columns = ["step", "phase", "module", "kind", "count", "dtype", "micro_batch", "fp32_amax"]
     assert e[e.origin][columns].head(1).to_string().splitlines() == shown
+
