@@ -1,6 +1,6 @@
 """The README, docs/ and CONTRIBUTING.md stay true: every command documented with --help, every option
 in the API page's table, the set-up commands the Makefile's, examples that are real output, cost
-figures with their machine and command, and links that resolve."""
+figures with their machine and command, links that resolve, and files, modules and tests that exist."""
 import re
 import unicodedata
 from pathlib import Path
@@ -168,3 +168,27 @@ def test_localization_example_is_real_output():
     columns = ["step", "phase", "module", "kind", "count", "dtype", "micro_batch", "fp32_amax"]
     assert e[e.origin][columns].head(1).to_string().splitlines() == shown
 
+
+def test_named_files_and_modules_exist():
+    """Every repository file and dotted ampwatch module a page names exists (the re-layout moved many)."""
+    for page in PAGES:
+        text = page.read_text()
+        for path in re.findall(r"(?<![\w/.])((?:ampwatch|app|tests|bench|examples)/[\w/]+\.py)", text):
+            assert (ROOT / path).exists(), f"{page.name} names missing {path}"
+        for dotted in re.findall(r"`(ampwatch(?:\.\w+)+)", text):
+            parts = dotted.split(".")
+            # the longest prefix that is a module or package; the next name must be defined in it
+            for n in range(len(parts), 0, -1):
+                base = ROOT.joinpath(*parts[:n])
+                source = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+                if source.exists():
+                    break
+            if n < len(parts):
+                assert re.search(rf"\b{parts[n]}\b", source.read_text()), f"{page.name}: no {dotted}"
+
+
+def test_named_tests_exist():
+    sources = "".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
+    for page in PAGES:
+        for name in re.findall(r"`(test_\w+)`", page.read_text()):
+            assert f"def {name}(" in sources, f"{page.name} names missing test {name}"
