@@ -613,8 +613,12 @@ class ModuleObserver:
         if not (self.active and module.training):
             return
         if _compiling():
-            tensors = _inputs(args, kwargs)
-            self._observe_traced(tensors, [ROLES * index + IN] * len(tensors))
+            # Dynamo guards on ``observing``: a step that observes nothing runs a graph with no
+            # ampwatch op at all, the one it would run without ampwatch (the other graph is
+            # compiled once, on the first observed step)
+            if self.observing:
+                tensors = _inputs(args, kwargs)
+                self._observe_traced(tensors, [ROLES * index + IN] * len(tensors))
             return
         if not self.observing:  # hooks kept for a compiled graph, run eagerly around a break
             return
@@ -650,9 +654,10 @@ class ModuleObserver:
         if not (self.active and module.training):
             return
         if _compiling():
-            ins = [] if index in self._pre else _inputs(args, kwargs)
-            outs = tensor_list(output)
-            self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
+            if self.observing:  # as in _before: unobserved steps trace no ampwatch op
+                ins = [] if index in self._pre else _inputs(args, kwargs)
+                outs = tensor_list(output)
+                self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
             return
         if not self.observing:
             return
