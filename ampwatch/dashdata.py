@@ -301,7 +301,7 @@ def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame, column: str = "mod
     return df
 
 
-_EVENT_EXTRA = ("fp32_amax", "micro_batch", "flows_into")  # newer columns: older runs lack them
+_EVENT_EXTRA = ("fp32_amax", "lowp_amax", "micro_batch", "flows_into")  # newer columns: older runs lack them
 
 
 def _event_columns(conn: sqlite3.Connection) -> str:

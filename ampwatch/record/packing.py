@@ -133,10 +133,10 @@ class PackReader:
             else:
                 count, kind = int(nan + inf), _kind(nan, inf, n)
             out.events.append((pack.step, "param_grad", self._grad_name(analysis, pid), kind, count,
-                               _nullable(amax), self.param_dtypes[pid], 0, None, None, None, None))
+                               _nullable(amax), self.param_dtypes[pid], 0, None, None, None, None, None, None))
         if loss is not None and not math.isfinite(loss):
             out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0,
-                               None, None, None, None))
+                               None, None, None, None, None, None))
         if pack.loc is not None:
             self._localization_rows(pack, analysis, out)
         return out
@@ -186,16 +186,19 @@ class PackReader:
         into = origins.flows_into(values, loc["aliases"], loc["order"], self.module_names, where) \
             if has_events else {}
         fp32_amax = loc.get("fp32") or {}
+        lowp_amax = loc.get("lowp") or {}
         for (module, phase), s in stats.items():
             if s.nonfinite:
                 count = None if s.nan is None else int(s.nan + s.inf)  # type: ignore[operator]
                 kind = _kind(s.nan, s.inf) if s.nan is not None else ("nan" if s.kind_nan else "inf")
                 origin = where[phase] == module
                 fp32 = fp32_amax.get(module) if origin and phase == origins.FORWARD else None
+                lowp = lowp_amax.get(module) if origin and phase == origins.FORWARD else None
                 out.events.append((pack.step, phase, self.module_names[module], kind, count,
                                    _nullable(s.amax), s.dtype, int(origin), s.micro_batch,
                                    _nullable(fp32), None if fp32 is None else int(math.isnan(fp32)),
-                                   into.get(phase) if origin else None))
+                                   into.get(phase) if origin else None,
+                                   _nullable(lowp), None if lowp is None else int(math.isnan(lowp))))
             if has_events or pack.step % self.layer_every == 0:
                 out.modules.append((self.module_ids[module], 0 if phase == origins.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))
