@@ -22,6 +22,7 @@ from .origins import WEIGHT_JUMP, origin_advice, weight_jump
 from .scale import COLLAPSE_STREAK, STUCK_HEADROOM, STUCK_MIN_STEPS, scale_collapse, scale_stuck_low
 from .skips import (PROBE_RATE_WARN, SAME_ORIGIN_MIN, SKIP_MIN_COUNT, SKIP_MIN_STEPS, SKIP_RATE_ERROR,
                     SKIP_RATE_WARN, lone_skips, recurring_overflow, scale_probing, warmup_skips)
+from .replayed import step_not_reproduced
 from .trends import activation_trend, scale_falling
 from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDOW, _outliers, divergence,
                       grad_norm_explosion, loss_spike)
@@ -32,7 +33,7 @@ RULES: list[Callable[[Facts], list[Finding]]] = [
     lone_skips, scale_stuck_low,
     grad_underflow, activation_headroom, activation_trend, scale_falling, loss_spike, grad_norm_explosion,
     misuse_config, misuse_clip_scaled,
-    misuse_notices,
+    misuse_notices, step_not_reproduced,
 ]
 
 __all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "_outliers",
