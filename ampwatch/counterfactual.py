@@ -262,4 +262,5 @@ def check_step(observer: ModuleObserver, skipped: bool) -> None:
     observer.fp32_checked = True
     origin = observer.forward_origin(observer.names)
     if origin is not None:
-        observer.fp32_amax[origin], observer.lowp_amax[origin] = keeper.recompute(origin, observer.bad_micro_batch(origin))
+        fp32, lowp = keeper.recompute(origin, observer.bad_micro_batch(origin))
+        observer.fp32_amax[origin], observer.lowp_amax[origin] = fp32, lowp

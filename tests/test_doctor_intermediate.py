@@ -68,7 +68,8 @@ def _truth_gpt2() -> dict:
         h.remove()
     q, k, _ = seen["qkv"].float().split(32, dim=-1)
     q, k = (t.view(4, 16, 2, 16).transpose(1, 2) for t in (q, k))
-    return {"logits": float((q @ k.transpose(-1, -2)).abs().max()), "out_finite": bool(torch.isfinite(seen["out"]).all())}
+    logits = float((q @ k.transpose(-1, -2)).abs().max())
+    return {"logits": logits, "out_finite": bool(torch.isfinite(seen["out"]).all())}
 
 
 def _truth_t5() -> float:

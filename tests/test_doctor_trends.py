@@ -67,3 +67,34 @@ def test_no_early_warning_on_the_sample_runs(sample):
     assert "activation-trend" not in ids
     # overflow_storm and diverged do keep backing off; the falling scale is then a consequence
     assert all(f.cause is not None for f in findings if f.id == "scale-falling"), [(f.id, f.cause) for f in findings]
+
+
+def test_a_scale_that_keeps_backing_off_is_a_warning_explained_by_its_origin(tmp_path):
+    """A backward-only overflow (x1e6) on every other step from step 10: the scaler backs off each
+    time and never grows (growth_interval 1000). The truth, counted here from the steps: more
+    backoffs than growths and the scale 8x+ lower."""
+    from loops import Amplify
+    torch.manual_seed(0)
+    state = {"step": -1}
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    bad = set(range(10, 24, 2))
+    model[1].register_forward_hook(lambda m, a, out: Amplify.apply(out) if state["step"] in bad else None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "fall.sqlite")) as watch:
+        for step in range(24):
+            state["step"] = step
+            x, y = data(step, 16)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    run = ampwatch.load(watch.path)
+    scale = run.steps["loss_scale"].to_numpy()
+    assert (scale[1:] < scale[:-1]).sum() >= 4 and scale[-1] * 8 <= scale[0]
+    findings = ampwatch.diagnose(run)
+    fall = [f for f in findings if f.id == "scale-falling"]
+    assert fall and fall[0].severity == "warning" and fall[0].steps[0] == 10
+    assert fall[0].cause is not None  # the recurring overflow that makes it

@@ -264,7 +264,7 @@ def attribute_grad(owners: list[tuple[int, str]], stats: dict,
     module, whether its received gradient was non-finite (None: not observed). None if unclear
     (several owners qualify, or one was not observed)."""
     ran = [(m, name) for m, name in owners if (m, origins.FORWARD) in stats]
-    if ran and len(ran) < len(owners):  # an owner that was not called this step produced nothing
+    if ran and len(ran) < len(owners):  # an owner not called this step produced nothing
         owners = ran
         if len(owners) == 1:
             return owners[0][1]
