@@ -57,14 +57,14 @@ def model_and_batch(seq: int = 16):
 def hook_floor(model: torch.nn.Module, steps):
     """The least any per-module observation in Python costs: a forward hook on every module that
     does nothing but give each floating output a gradient hook (ampwatch's own cheap way,
-    ``observe._add_grad_hook``) that does nothing (``dict.get``: a C call returning None)."""
-    from ampwatch.record.observe import _add_grad_hook
+    ``observe.add_grad_hook``) that does nothing (``dict.get``: a C call returning None)."""
+    from ampwatch.record.observe import add_grad_hook
     nothing = {}.get
 
     def hook(module, args, kwargs, output):
         for t in ((output,) if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else ()):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                _add_grad_hook(t, t.grad_fn, nothing)
+                add_grad_hook(t, t.grad_fn, nothing)
 
     def run(k: int) -> float:
         handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampwatch
-from ampwatch.demo import TinyGPT
+from ampwatch.samples.models import TinyGPT
 
 
 def make_workload(name: str):
@@ -117,7 +117,7 @@ def main() -> None:
         runpy.run_path(sys.argv[0], run_name="__main__")
         return
     torch.set_num_threads(1)
-    import ampwatch.recorder  # noqa: F401  (installs ampwatch's log handler, which we then quieten)
+    import ampwatch.record.watch  # noqa: F401  (installs ampwatch's log handler, which we then quieten)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)  # one "recording to" line per block is noise
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     model, x, loss_fn = make_workload(args.workload)

@@ -3,8 +3,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from ampwatch.cli import cli
-from ampwatch.settings import SETTINGS
+from ampwatch.cli.main import cli
+from ampwatch.record.options import SETTINGS
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 

@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 
 from .finding import Finding
-from ..reader import connect
-from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from ..store.reader import connect
+from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Warm-up: GradScaler starts at init_scale (2**16 by default; people pass 2**24) and halves on each
 # overflow until the gradients fit. So warm-up is exactly the leading run of skips, back to back from

@@ -84,7 +84,7 @@ def grad_underflow(facts: Facts) -> list[Finding]:
          "collapsed first, fix that overflow (see scale-collapse)."))]
 
 
-def _leaf_modules(facts: Facts) -> set[str]:
+def leaf_modules(facts: Facts) -> set[str]:
     """Modules without children that do not compute in fp32 under autocast."""
     mods = facts.tensors[facts.tensors["kind"] == "module"]
     parents = {n.rsplit(".", 1)[0] for n in mods["name"] if "." in n}
@@ -99,7 +99,7 @@ def activation_headroom(facts: Facts) -> list[Finding]:
     limit = FP16_MAX / HEADROOM_FACTOR
     # HEADROOM_MIN_ROWS rows in a row need at least that many rows at the limit: count those in
     # SQLite, then read the forward history of just the modules that have enough.
-    reaching = facts.modules_reaching(limit, facts.healthy_end, _leaf_modules(facts))
+    reaching = facts.modules_reaching(limit, facts.healthy_end, leaf_modules(facts))
     suspects = {name for name, n in reaching.items() if n >= HEADROOM_MIN_ROWS}
     if not suspects:
         return []

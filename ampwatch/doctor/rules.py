@@ -24,7 +24,7 @@ from .skips import (PROBE_RATE_WARN, SAME_ORIGIN_MIN, SKIP_MIN_COUNT, SKIP_MIN_S
                     SKIP_RATE_WARN, lone_skips, recurring_overflow, scale_probing, warmup_skips)
 from .replayed import step_not_reproduced
 from .trends import activation_trend, scale_falling
-from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDOW, _outliers, divergence,
+from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDOW, outliers, divergence,
                       grad_norm_explosion, loss_spike)
 
 # The order rules run in; causes.group() decides the report order.
@@ -36,7 +36,7 @@ RULES: list[Callable[[Facts], list[Finding]]] = [
     misuse_notices, step_not_reproduced,
 ]
 
-__all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "_outliers",
+__all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "outliers",
            "SKIP_RATE_WARN", "SKIP_RATE_ERROR", "PROBE_RATE_WARN", "SAME_ORIGIN_MIN", "SKIP_MIN_COUNT", "SKIP_MIN_STEPS", "COLLAPSE_STREAK",
            "STUCK_HEADROOM", "STUCK_MIN_STEPS", "UNDERFLOW_SCALED_AMAX", "UNDERFLOW_EXCESS",
            "UNDERFLOW_MIN_FRAC", "HEADROOM_FACTOR", "HEADROOM_MIN_ROWS", "FP32_MODULE_TYPES",

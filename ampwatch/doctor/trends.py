@@ -13,7 +13,7 @@ import numpy as np
 
 from .facts import Facts
 from .finding import FP16_MAX, Finding, num, span
-from .numerics import _leaf_modules
+from .numerics import leaf_modules
 
 # A trend is a fit of log(max |output|) against the step over a module's last TREND_ROWS recorded
 # healthy rows. It warns only when all of these hold, so that the slow drift of a healthy run (a few
@@ -56,7 +56,7 @@ def activation_trend(facts: Facts) -> list[Finding]:
     """Warning: a leaf module's fp16 maximum grows steadily toward 65504 (name, rate, projected step)."""
     if not facts.fp16:
         return []
-    fwd = facts.forward_activations(facts.healthy_end, _leaf_modules(facts))
+    fwd = facts.forward_activations(facts.healthy_end, leaf_modules(facts))
     order = {n: i for i, n in enumerate(facts.tensors["name"])}
     hits = []
     for name, g in fwd.groupby("module", sort=False):

@@ -1,6 +1,6 @@
 """A sample run recorded through the Lightning callback, for ``ampwatch demo`` (needs lightning).
 
-TinyGPT from :mod:`ampwatch.demo` wrapped in a LightningModule, ``16-mixed`` on the CPU through the
+TinyGPT from :mod:`ampwatch.samples.models` wrapped in a LightningModule, ``16-mixed`` on the CPU through the
 real MixedPrecision plugin, ``accumulate_grad_batches=2``, ``gradient_clip_val=1.0``. The GradScaler
 starts at 2**24, so the first steps skip while it backs off, and every ``growth_interval`` clean steps
 it tries a larger scale. Fixed seeds, one torch thread: the same file every time on one torch build.
@@ -16,8 +16,8 @@ from typing import Any, Iterator, Union
 import torch
 from torch.nn import functional as F
 
-from ..demo import TinyGPT, batches
-from . import require
+from .models import TinyGPT, batches
+from ..integrations import require
 
 SAMPLE_STEPS = 200
 _VOCAB, _SEQ, _MICRO_BATCH, _ACCUMULATE = 64, 32, 4, 2
@@ -71,7 +71,7 @@ def record_sample(path: Union[str, Path], steps: int = SAMPLE_STEPS, seed: int =
     pl = require("lightning.pytorch", "lightning")
     from lightning.pytorch.plugins import MixedPrecision
 
-    from .lightning import AmpwatchCallback
+    from ..integrations.lightning import AmpwatchCallback
 
     path = Path(path)
     for suffix in ("", "-wal", "-shm"):

@@ -1,21 +1,11 @@
-"""The doctor's findings as text: the report of one run (causes first, consequences under them),
-and the one-line health of a run for triage (``ampwatch ls``, ``ampwatch doctor DIR``, Runs page)."""
+"""The doctor's findings as text for the command line: the report of one run (causes first,
+consequences under them) and the one-line health of a run for triage (``ampwatch ls``, ``ampwatch doctor DIR``)."""
 from __future__ import annotations
 
 import textwrap
 from typing import Any
 
-from .finding import SEVERITIES, Finding, span, worst
-
-
-def health(findings: list[Finding]) -> str:
-    """``ok`` when nothing is above info, else the worst severity and the first root cause's title:
-    ``error: Inf born in h.0.mlp.fc (Linear, forward) at step 40``."""
-    sev = worst(findings)
-    if sev in (None, "info"):
-        return "ok"
-    first = next(f for f in findings if f.cause is None and f.severity == sev)
-    return f"{sev}: {first.title}"
+from ..doctor.finding import SEVERITIES, Finding, health, span
 
 
 def health_line(run: Any, findings: list[Finding], width: int = 28) -> str:
@@ -23,7 +13,7 @@ def health_line(run: Any, findings: list[Finding], width: int = 28) -> str:
     return f"{run.name:<{width}} {health(findings)}"
 
 
-def _wrap(label: str, text: str, indent: int = 2, width: int = 100) -> list[str]:
+def wrap(label: str, text: str, indent: int = 2, width: int = 100) -> list[str]:
     pad = " " * (indent + len(label))
     return textwrap.wrap(text, width=width, initial_indent=" " * indent + label,
                          subsequent_indent=pad) or [" " * indent + label]
@@ -32,9 +22,9 @@ def _wrap(label: str, text: str, indent: int = 2, width: int = 100) -> list[str]
 def _block(f: Finding, indent: int) -> list[str]:
     head = "-> " if f.cause else ""
     lines = [" " * (indent - 2) + f"{head}{f.severity.upper():<8}{f.id}  ({span(*f.steps)})"]
-    lines.extend(_wrap("", f.title, indent))
-    lines.extend(_wrap("evidence: ", f.evidence, indent))
-    lines.extend(_wrap("advice:   ", f.advice, indent))
+    lines.extend(wrap("", f.title, indent))
+    lines.extend(wrap("evidence: ", f.evidence, indent))
+    lines.extend(wrap("advice:   ", f.advice, indent))
     return lines
 
 

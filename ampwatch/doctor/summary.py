@@ -6,7 +6,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from .damage import reads
+from ..store.guard import reads
 
 
 def _finite(values: pd.Series) -> pd.Series:

@@ -7,8 +7,8 @@ still drawn at its exact step (reservoir or point sampling, as in TensorBoard or
 Buckets are walked as ranges of the primary key, so no query sorts the whole table: a GROUP BY on
 ``step / width`` would sort every row first (6 s on 10M layer rows, bench/dashboard.py).
 
-Every function opens the file read-only through :func:`ampwatch.reader.connect` and returns plain
-pandas/numpy data; no Streamlit, no Plotly. Per-layer and per-module data: :mod:`ampwatch.layerdata`.
+Every function opens the file read-only through :func:`ampwatch.store.reader.connect` and returns plain
+pandas/numpy data; no Streamlit, no Plotly. Per-layer and per-module data: :mod:`ampwatch.dashboard.layerdata`.
 """
 from __future__ import annotations
 
@@ -23,21 +23,20 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import pandas as pd
 
-from .damage import reads
-from .errors import RunError
-from .reader import _check_schema, alias_map, check_run_file, clip_threshold, connect, effective_status, find_runs
-from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
-from .summary import error_tail
+from ..store.guard import reads
+from ..errors import RunError
+from ..store.reader import check_schema, alias_map, check_run_file, clip_threshold, connect, effective_status, find_runs
+from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
+from ..doctor.summary import error_tail
 
 # About one point per horizontal pixel of a wide chart; each bucket contributes up to ~10 rows.
 STEP_BUCKETS = 2000
 # Skipped / non-finite steps are returned one by one up to this many; past it (a run that skips
 # half its steps) the first and last of each bucket are kept, which still marks every bucket with one.
-EXACT_LIMIT = 50_000
+EXACT_MARKS_LIMIT = 50_000
 DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
-_INF = 1.7976931348623157e308  # abs(x) > this  <=>  x is +/-inf (SQLite has no isinf())
 _NONFINITE_STEP = (f"(nan_mask & {STEP_NAN_BITS['loss'] | STEP_NAN_BITS['grad_norm']}) != 0"
-                   f" OR abs(loss) > {_INF} OR abs(grad_norm) > {_INF}")
+                   f" OR abs(loss) > {INF_BOUND} OR abs(grad_norm) > {INF_BOUND}")
 SERIES = ("loss", "loss_scale", "grad_norm", "lr")
 
 
@@ -46,11 +45,11 @@ def open_run(path: Any) -> Iterator[sqlite3.Connection]:
     """A read-only connection to a checked ampwatch run (RunError with one line otherwise)."""
     p = check_run_file(path)
     with connect(p) as conn:
-        _check_schema(conn, p)
+        check_schema(conn, p)
         yield conn
 
 
-def _df(conn: sqlite3.Connection, sql: str, params: Any = ()) -> pd.DataFrame:
+def frame_of(conn: sqlite3.Connection, sql: str, params: Any = ()) -> pd.DataFrame:
     return pd.read_sql_query(sql, conn, params=params)
 
 
@@ -90,7 +89,7 @@ def run_row(path: Any) -> dict[str, Any]:
         tail = conn.execute("SELECT loss, loss_scale, nan_mask FROM steps ORDER BY step DESC LIMIT 1").fetchone()
         warm = warmup_end(conn)
         bad = conn.execute(f"SELECT MIN(step) FROM steps WHERE ({_NONFINITE_STEP}) AND (step >= ? OR"
-                           f" (nan_mask & {STEP_NAN_BITS['loss']}) != 0 OR abs(loss) > {_INF})", (warm,)).fetchone()[0]
+                           f" (nan_mask & {STEP_NAN_BITS['loss']}) != 0 OR abs(loss) > {INF_BOUND})", (warm,)).fetchone()[0]
         ev = conn.execute("SELECT MIN(step) FROM events WHERE step >= ? OR phase IN ('forward', 'loss')",
                           (warm,)).fetchone()[0]
     last_loss = None
@@ -107,8 +106,8 @@ def run_row(path: Any) -> dict[str, Any]:
 
 def run_health(path: Any) -> str:
     """The doctor's one-line verdict on a run: worst severity and first root cause, or ``ok``."""
-    from .doctor import diagnose, health
-    from .reader import Run
+    from ..doctor import diagnose, health
+    from ..store.reader import Run
     try:
         return health(diagnose(Run(path)))
     except RunError as exc:
@@ -141,7 +140,7 @@ def runs_table(folder: Any) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
 class Overview:
     """Downsampled step rows of one range plus what the charts mark on them."""
     steps: pd.DataFrame                 # step, loss, loss_scale, grad_norm, lr, skipped, nonfinite, ...
-    skipped_steps: np.ndarray           # every skipped step in range (bucket ends past EXACT_LIMIT)
+    skipped_steps: np.ndarray           # every skipped step in range (bucket ends past EXACT_MARKS_LIMIT)
     nonfinite_steps: np.ndarray
     scale_changes: pd.DataFrame         # step, loss_scale, previous, kind ('backoff' | 'growth')
     bucket: int                         # 1 = every step is drawn
@@ -172,7 +171,7 @@ def _range(conn: sqlite3.Connection, start: Optional[int], end: Optional[int]) -
 _BUCKET_SQL = ("SELECT MIN(step), MAX(step), MIN(loss), MAX(loss), MIN(grad_norm), MAX(grad_norm), MIN(lr),"
                f" MAX(lr), MIN(loss_scale), MAX(loss_scale), SUM(skipped), SUM({_NONFINITE_STEP})"
                " FROM steps WHERE step >= ? AND step < ? AND step <= ?")
-# Only when a range has more than EXACT_LIMIT skipped or non-finite steps (rare): their ends per bucket.
+# Only when a range has more than EXACT_MARKS_LIMIT skipped or non-finite steps (rare): their ends per bucket.
 _MARK_ENDS_SQL = ("SELECT MIN(CASE WHEN skipped THEN step END), MAX(CASE WHEN skipped THEN step END),"
                   f" MIN(CASE WHEN {_NONFINITE_STEP} THEN step END), MAX(CASE WHEN {_NONFINITE_STEP} THEN step END)"
                   " FROM steps WHERE step >= ? AND step < ? AND step <= ?")
@@ -190,9 +189,9 @@ def _mark_ends(conn: sqlite3.Connection, start: int, end: int, width: int) -> np
     return pd.DataFrame(rows).to_numpy(dtype=float, na_value=math.nan).ravel()
 
 
-def _scale_changes(conn: sqlite3.Connection, start: int, end: int, limit: int = EXACT_LIMIT) -> pd.DataFrame:
+def _scale_changes(conn: sqlite3.Connection, start: int, end: int, limit: int = EXACT_MARKS_LIMIT) -> pd.DataFrame:
     # A join on step - 1 walks the primary key (0.14 s on 1M steps; LAG() over the same rows: 0.8 s).
-    df = _df(conn, "SELECT a.step, a.loss_scale, b.loss_scale AS previous FROM steps a JOIN steps b"
+    df = frame_of(conn, "SELECT a.step, a.loss_scale, b.loss_scale AS previous FROM steps a JOIN steps b"
                    " ON b.step = a.step - 1 WHERE a.step BETWEEN ? AND ? AND a.loss_scale != b.loss_scale"
                    " ORDER BY a.step LIMIT ?", (start, end, limit))
     df["kind"] = np.where(df["loss_scale"] < df["previous"], "backoff", "growth")
@@ -204,19 +203,19 @@ def downsample_steps(conn: sqlite3.Connection, start: int, end: int, buckets: in
     """Step rows in [start, end] for drawing: all of them when few, else the rows chosen in the module doc."""
     n = end - start + 1
     if n <= 2 * buckets:
-        df = _df(conn, f"SELECT {_STEP_COLS} FROM steps s WHERE s.step BETWEEN ? AND ? ORDER BY s.step",
+        df = frame_of(conn, f"SELECT {_STEP_COLS} FROM steps s WHERE s.step BETWEEN ? AND ? ORDER BY s.step",
                  (start, end))
         return _steps_frame(df), 1
     width = math.ceil(n / buckets)
     stats = _bucket_stats(conn, start, end, width)
     extra = [stats[:, 0], stats[:, 1]]  # every bucket's first and last step
     exact = f"s.skipped = 1 OR {_NONFINITE_STEP}"  # bare names: only ``steps`` has these columns
-    if stats[:, 10].sum() > EXACT_LIMIT or stats[:, 11].sum() > EXACT_LIMIT:
+    if stats[:, 10].sum() > EXACT_MARKS_LIMIT or stats[:, 11].sum() > EXACT_MARKS_LIMIT:
         exact = "0"  # too many to draw one by one: the first and last of each bucket still mark it
         extra.append(_mark_ends(conn, start, end, width))
-    changes = _scale_changes(conn, start, end, EXACT_LIMIT + 1)
+    changes = _scale_changes(conn, start, end, EXACT_MARKS_LIMIT + 1)
     scale_rule = "0"
-    if len(changes) > EXACT_LIMIT:  # a scale that changes on most steps: its min/max per bucket instead
+    if len(changes) > EXACT_MARKS_LIMIT:  # a scale that changes on most steps: its min/max per bucket instead
         scale_rule = "(a.c0 < a.c1 AND s.loss_scale IN (a.c0, a.c1))"
     else:
         extra.append(changes["step"].to_numpy(dtype=float))
@@ -241,7 +240,7 @@ def downsample_steps(conn: sqlite3.Connection, start: int, end: int, buckets: in
            f" WHERE {exact}"
            f" UNION SELECT {_STEP_COLS} FROM steps s WHERE s.step IN (SELECT value FROM json_each(:x))"
            " ORDER BY 1")
-    df = _df(conn, sql, {"b": buckets_json, "x": json.dumps(extra_steps), "m": json.dumps(marked)})
+    df = frame_of(conn, sql, {"b": buckets_json, "x": json.dumps(extra_steps), "m": json.dumps(marked)})
     return _steps_frame(df), width
 
 
@@ -265,7 +264,7 @@ def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = N
         info = run_info(conn)
         start, end = _range(conn, start, end)
         if start is None:
-            empty = _steps_frame(_df(conn, f"SELECT {_STEP_COLS} FROM steps s LIMIT 0"))
+            empty = _steps_frame(frame_of(conn, f"SELECT {_STEP_COLS} FROM steps s LIMIT 0"))
             return Overview(empty, np.array([], dtype=np.int64), np.array([], dtype=np.int64),
                             pd.DataFrame(columns=["step", "loss_scale", "previous", "kind"]), 1, info=info)
         steps, width = downsample_steps(conn, start, end, buckets)
@@ -317,7 +316,7 @@ def events(path: Any) -> pd.DataFrame:
     expected, the scaler backing off from its initial scale (the runs table does not count them).
     """
     with open_run(path) as conn:
-        df = _df(conn, f"SELECT step, origin, module, phase, kind, count, amax, dtype{_event_columns(conn)}"
+        df = frame_of(conn, f"SELECT step, origin, module, phase, kind, count, amax, dtype{_event_columns(conn)}"
                        " FROM events ORDER BY step, origin DESC, id")
         df = _with_aliases(conn, df)
         warm = warmup_end(conn)
@@ -330,23 +329,23 @@ def events(path: Any) -> pd.DataFrame:
 def step_detail(path: Any, step: int) -> dict[str, Any]:
     """Every recorded figure at ``step``: its steps row, layers, modules, events and metrics."""
     with open_run(path) as conn:
-        row = _steps_frame(_df(conn, "SELECT step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr,"
+        row = _steps_frame(frame_of(conn, "SELECT step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr,"
                                      " micro_batches, nan_mask FROM steps WHERE step = ?", (int(step),)))
-        layers = _df(conn, "SELECT t.name AS layer, l.grad_norm, l.grad_amax, l.param_norm, l.grad_nonfinite,"
+        layers = frame_of(conn, "SELECT t.name AS layer, l.grad_norm, l.grad_amax, l.param_norm, l.grad_nonfinite,"
                            " l.grad_zero_frac, l.nan_mask FROM layers l JOIN tensors t ON t.id = l.param_id"
                            " WHERE l.step = ? ORDER BY l.param_id", (int(step),))
         for col, bit in LAYER_NAN_BITS.items():
             layers[col] = layers[col].astype(float).where((layers["nan_mask"] & bit) == 0, math.nan)
         layers["grad_norm_nan"] = (layers["nan_mask"] & LAYER_NAN_BITS["grad_norm"]) != 0
         layers = _with_aliases(conn, layers, "layer")
-        modules = _df(conn, "SELECT t.name AS module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END"
+        modules = frame_of(conn, "SELECT t.name AS module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END"
                             " AS phase, m.amax, m.nonfinite FROM modules m JOIN tensors t ON t.id = m.module_id"
                             " WHERE m.step = ? ORDER BY m.module_id, m.phase", (int(step),))
-        ev = _df(conn, f"SELECT origin, module, phase, kind, count, amax, dtype{_event_columns(conn)} FROM events"
+        ev = frame_of(conn, f"SELECT origin, module, phase, kind, count, amax, dtype{_event_columns(conn)} FROM events"
                        " WHERE step = ? ORDER BY origin DESC, id", (int(step),))
         ev["origin"] = ev["origin"].astype(bool)
         ev = _with_aliases(conn, ev)
-        metrics = _df(conn, "SELECT key, value FROM metrics WHERE step = ? ORDER BY key", (int(step),))
+        metrics = frame_of(conn, "SELECT key, value FROM metrics WHERE step = ? ORDER BY key", (int(step),))
         near = conn.execute("SELECT MAX(step) FROM layers WHERE step <= ?", (int(step),)).fetchone()[0]
     row["time"] = pd.to_datetime(row["time"], unit="s", errors="coerce")  # UTC, not raw epoch seconds
     return {"step": row, "layers": layers.drop(columns=["nan_mask"]), "modules": modules, "events": ev,

@@ -12,10 +12,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import pandas as pd
 
-from .damage import guard, open_read_only, reads
-from .errors import RunError
+from .guard import guard, open_read_only, reads
+from ..errors import RunError
 from .schema import LAYER_NAN_BITS, SCHEMA_VERSION, STEP_NAN_BITS
-from .userpath import path_text
+from ..userpath import path_text
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 RUN_SUFFIXES = (".sqlite", ".db", ".sqlite3")
@@ -46,7 +46,7 @@ def connect(path: Any) -> Iterator[sqlite3.Connection]:
     """A read-only connection to a checked run file (``mode=ro``: this process cannot write it).
 
     Whatever fails inside the ``with`` block on a damaged file becomes one RunError line
-    (:func:`ampwatch.damage.guard`); text that is not UTF-8 reads with U+FFFD instead of raising."""
+    (:func:`ampwatch.store.guard.guard`); text that is not UTF-8 reads with U+FFFD instead of raising."""
     p = check_run_file(path)
     try:
         conn = open_read_only(p)
@@ -59,7 +59,7 @@ def connect(path: Any) -> Iterator[sqlite3.Connection]:
         conn.close()
 
 
-def _check_schema(conn: sqlite3.Connection, p: Path) -> None:
+def check_schema(conn: sqlite3.Connection, p: Path) -> None:
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if not {"run", "steps", "tensors"} <= tables:
@@ -147,7 +147,7 @@ class Run:
     def __init__(self, path: Any) -> None:
         self.path = check_run_file(path)
         with connect(self.path) as conn:
-            _check_schema(conn, self.path)
+            check_schema(conn, self.path)
             conn.row_factory = sqlite3.Row
             row = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
         if row is None:

@@ -1,6 +1,6 @@
 """The dashboard's per-layer and per-module data: gradient heatmap, fp16 headroom, zero-gradient fractions.
 
-Same rules as :mod:`ampwatch.dashdata`: read-only SQL over one run file, max per bucket so no spike
+Same rules as :mod:`ampwatch.dashboard.rundata`: read-only SQL over one run file, max per bucket so no spike
 is hidden, plain pandas/numpy out.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from .damage import reads
-from .dashdata import DTYPE_MAX, _INF, _df, open_run, run_info
-from .schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from ..store.guard import reads
+from .rundata import DTYPE_MAX, frame_of, open_run, run_info
+from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Heatmap columns. Each is one small GROUP BY over a primary-key range; ~1000 is the fastest split
 # of 10M layer rows (fewer buckets mean bigger sorts, more mean more queries: bench/dashboard.py).
@@ -54,7 +54,7 @@ def tensor_names(conn: sqlite3.Connection, kind: str = "param") -> pd.DataFrame:
     "" for none and for runs recorded before aliases were, schema < 3)."""
     cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
     alias = "aliases" if "aliases" in cols else "NULL AS aliases"
-    df = _df(conn, f"SELECT id, name, {alias} FROM tensors WHERE kind = ? ORDER BY id", (kind,))
+    df = frame_of(conn, f"SELECT id, name, {alias} FROM tensors WHERE kind = ? ORDER BY id", (kind,))
     df["aliases"] = [", ".join(json.loads(a)) if isinstance(a, str) and a else "" for a in df["aliases"]]
     return df
 
@@ -85,7 +85,7 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
         raise ValueError(f"metric must be one of {LAYER_METRICS}, not {metric!r}")
     where = " FROM layers WHERE step >= ? AND step < ? AND step <= ? GROUP BY param_id"
     plain = f"SELECT ?, param_id, MAX({metric})" + where
-    value = "grad_norm" if metric == "grad_norm" else f"CASE WHEN abs(grad_norm) > {_INF} THEN 9e999 ELSE {metric} END"
+    value = "grad_norm" if metric == "grad_norm" else f"CASE WHEN abs(grad_norm) > {INF_BOUND} THEN 9e999 ELSE {metric} END"
     flagged = (f"SELECT ?, param_id, MAX(CASE WHEN nan_mask & {LAYER_NAN_BITS['grad_norm']} OR grad_nonfinite > 0"
                f" THEN 9e999 ELSE {value} END)" + where)
     if metric == "param_norm":  # the weights' own figure: a NaN/inf gradient must not hide a finite jump
@@ -111,7 +111,7 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
         # A NaN/inf layer gradient makes the step's total norm NaN/inf (it is their root sum of squares).
         bad_steps = np.array([r[0] for r in conn.execute(
             f"SELECT step FROM steps WHERE step BETWEEN ? AND ? AND ((nan_mask & {STEP_NAN_BITS['grad_norm']}) != 0"
-            f" OR abs(grad_norm) > {_INF})", (start, end))], dtype=np.int64)
+            f" OR abs(grad_norm) > {INF_BOUND})", (start, end))], dtype=np.int64)
         bad_cols = set((np.searchsorted(cols, bad_steps, side="right") - 1).tolist())
         rows = [r for i, (lo, hi) in enumerate(zip(cols.tolist(), bounds.tolist()))
                 for r in conn.execute(flagged if i in bad_cols else plain, (i, lo, hi, end)).fetchall()]
@@ -150,7 +150,7 @@ def zero_grad_fraction(path: Any, start: Optional[int] = None, end: Optional[int
             targets = np.unique(np.linspace(start, end, samples).astype(np.int64)).tolist()
             seek = "SELECT MIN(step) FROM layers WHERE step >= ? AND step <= ? AND grad_zero_frac IS NOT NULL"
             steps = sorted({s for t in targets for s in conn.execute(seek, (t, end)).fetchone() if s is not None})
-        df = _df(conn, "SELECT param_id AS id, grad_zero_frac FROM layers WHERE step IN"
+        df = frame_of(conn, "SELECT param_id AS id, grad_zero_frac FROM layers WHERE step IN"
                        " (SELECT value FROM json_each(?)) AND grad_zero_frac IS NOT NULL", (json.dumps(steps),))
     agg = df.groupby("id")["grad_zero_frac"].agg(["mean", "max", "count"])
     out = names.merge(agg, left_on="id", right_index=True, how="left")
@@ -171,7 +171,7 @@ def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] =
     with open_run(path) as conn:
         info = run_info(conn)
         lo, hi = conn.execute("SELECT (SELECT MIN(step) FROM modules), (SELECT MAX(step) FROM modules)").fetchone()
-        names = _df(conn, "SELECT id AS module_id, name AS module, type FROM tensors WHERE kind = 'module'")
+        names = frame_of(conn, "SELECT id AS module_id, name AS module, type FROM tensors WHERE kind = 'module'")
         cols = ["module", "type", "phase", "amax", "nonfinite_steps", "limit", "headroom"]
         if lo is None:
             return pd.DataFrame(columns=cols)
@@ -182,7 +182,7 @@ def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] =
         sql = ("SELECT module_id * 2 + phase, MAX(amax) FROM modules WHERE step >= ? AND step < ? AND step <= ?"
                " GROUP BY 1")
         parts = [conn.execute(sql, (lo_, lo_ + width, end)).fetchall() for lo_ in range(start, end + 1, width)]
-        bad = _df(conn, "SELECT module, phase, COUNT(DISTINCT step) AS nonfinite_steps FROM events"
+        bad = frame_of(conn, "SELECT module, phase, COUNT(DISTINCT step) AS nonfinite_steps FROM events"
                         " WHERE step BETWEEN ? AND ? AND phase IN ('forward', 'backward') GROUP BY module, phase",
                   (start, end))
     df = pd.DataFrame([row for part in parts for row in part], columns=["key", "amax"])

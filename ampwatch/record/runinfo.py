@@ -12,10 +12,12 @@ from typing import Any, Optional
 
 import torch
 
-from . import __version__, probes
-from .errors import ArgumentTypeError, OptionError, RunExistsError, RunPathIsFolderError
-from .schema import SCHEMA_VERSION
-from .userpath import path_text
+from .._version import __version__
+
+from . import torch_access
+from ..errors import ArgumentTypeError, OptionError, RunExistsError, RunPathIsFolderError
+from ..store.schema import SCHEMA_VERSION
+from ..userpath import path_text
 
 
 def _distributed() -> tuple[int, int]:
@@ -34,7 +36,7 @@ def job_id(world_size: int) -> Optional[str]:
     ``TORCHELASTIC_RUN_ID`` (torchrun's rendezvous id) when it names the job: torchrun without
     ``--rdzv-id`` or ``--standalone`` sets it to ``none`` for every job, which names nothing. Else
     ``MASTER_ADDR:MASTER_PORT@<UTC time>``, the time being the first rank's attach time, handed to
-    the others through the rendezvous store (:func:`probes.agreed_value`: one compare-and-set at
+    the others through the rendezvous store (:func:`torch_access.agreed_value`: one compare-and-set at
     attach, not a collective, no waiting). Only without a store (no such process group) does each
     rank fall back to its own time rounded down to the minute, which can split a job whose ranks
     attach on either side of a minute. None for a single process.
@@ -46,7 +48,7 @@ def job_id(world_size: int) -> Optional[str]:
         return run_id
     address = f"{os.environ.get('MASTER_ADDR', socket.gethostname())}:{os.environ.get('MASTER_PORT', '')}"
     now = time.time()
-    agreed = probes.agreed_value(f"ampwatch/job_id/{next(_attach_count)}",
+    agreed = torch_access.agreed_value(f"ampwatch/job_id/{next(_attach_count)}",
                                  f"{address}@{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}")
     return agreed or f"{address}@{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(now))}"
 
@@ -55,7 +57,7 @@ def grad_sharding(model: torch.nn.Module, params: list[torch.Tensor], world_size
     """'sharded' when each rank holds part of the gradients (FSDP2/DTensor ``Shard``, FSDP1): the
     global norm is sqrt(sum over ranks of grad_norm^2). 'replicated' for any other multi-process run
     (DDP all-reduces: every rank's grad_norm is the global one). 'none' for a single process."""
-    if any(probes.is_sharded(p) for p in params) or probes.fsdp1_wrapped(model):
+    if any(torch_access.is_sharded(p) for p in params) or torch_access.fsdp1_wrapped(model):
         return "sharded"
     return "replicated" if world_size > 1 else "none"
 
@@ -137,7 +139,7 @@ def describe_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale
         "layer_every": options["layer_every"], "localize": int(options["localize"]),
         "config": config or {}, "schema_version": SCHEMA_VERSION,
     }
-    info.update(probes.scaler_settings(scaler))
+    info.update(torch_access.scaler_settings(scaler))
     info["scaler_enabled"] = int(info["scaler_enabled"])
     return info
 

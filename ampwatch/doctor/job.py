@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .doctor import Finding, diagnose, sort_findings
-from .group import RunGroup, rank_list
-from .groupdata import RANK_LOCAL_PHASES, first_nonfinite, group_overview, phase_steps
+from . import Finding, diagnose, sort_findings
+from ..jobs.group import RunGroup, rank_list
+from ..jobs.combine import RANK_LOCAL_PHASES, first_nonfinite, group_overview, phase_steps
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -39,8 +39,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import probes
-from .record.observe import ModuleObserver, _tensor_list, _tensors
+from . import torch_access
+from .observe import ModuleObserver, tensor_list, nested_tensors_of
 
 
 def _upcast(obj: Any, depth: int = 0) -> Any:
@@ -56,13 +56,13 @@ def _upcast(obj: Any, depth: int = 0) -> Any:
 
 def _versions(args: Any, kwargs: Any) -> list[int]:
     """Version counters of a call's floating tensors, listed as the observer's pre-hook lists them."""
-    tensors = _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
+    tensors = tensor_list(args[0]) if len(args) == 1 and not kwargs else tensor_list(args) + tensor_list(kwargs)
     return [t._version for t in tensors]
 
 
 def output_amax(output: Any) -> Optional[float]:
     """Max |value| over the floating tensors of ``output``: NaN if any is NaN; None if none."""
-    tensors = list(_tensors(output))
+    tensors = list(nested_tensors_of(output))
     if not tensors:
         return None
     worst = -math.inf
@@ -180,7 +180,7 @@ def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, observer: Op
     FSDP1's flat parameters, whose storage is freed after the forward) exist whole only inside the
     framework's own forward, and a module that will not run on fp32 inputs (a dtype assertion in
     user code) has no fp32 answer. Either way the run is recorded as before, without the verdict."""
-    if any(probes.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
+    if any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
         return None
     params = {n: p.detach().float() if p.is_floating_point() else p for n, p in module.named_parameters()}
     # Buffers are cloned even when already fp32: BatchNorm updates running stats in place.
@@ -219,7 +219,7 @@ def recompute_as_run(module: torch.nn.Module, args: Any, kwargs: Any,
     autocast state its micro-batch ran with (``autocast``, from :func:`autocast_state`), with no
     grad, the RNG forked, buffers replaced by copies and the observer's hooks paused; return max
     |output|. None where it cannot be done (see :func:`recompute_fp32`) or the state is unknown."""
-    if autocast is None or any(probes.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
+    if autocast is None or any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
         return None
     params = {n: p.detach() for n, p in module.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}  # BatchNorm updates them in place

@@ -172,3 +172,6 @@ def create(db: Database) -> None:
     """Create or upgrade a run file's tables (writer only; readers never migrate)."""
     migrations.apply(db)
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+# In SQL, abs(x) > INF_BOUND  <=>  x is +/-inf (SQLite has no isinf(); the bound is the largest double).
+INF_BOUND = 1.7976931348623157e308

@@ -1,6 +1,6 @@
 """Pure Plotly builders for the dashboard: data in, ``go.Figure`` out (no Streamlit, no torch).
 
-Inputs are the plain structures of :mod:`ampwatch.dashdata`. Every figure sets ``uirevision`` so a
+Inputs are the plain structures of :mod:`ampwatch.dashboard.rundata`. Every figure sets ``uirevision`` so a
 live refresh keeps the user's zoom (issue 4: "without losing its place").
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The recorder measures gradients when backward has finished (after DDP's all-reduce or FSDP's
 reduce-scatter), so it needs a signal that fires once per backward pass, inside it. Two triggers,
-deduplicated per pass, feed one callback queued on the autograd engine (:func:`probes.at_backward_end`):
+deduplicated per pass, feed one callback queued on the autograd engine (:func:`torch_access.at_backward_end`):
 
 - a gradient hook on the root module's outputs, registered by a forward hook at each forward with
   grad enabled: it fires as soon as backward reaches the model's output, whatever wraps the
@@ -24,12 +24,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import probes
+from . import torch_access
 
 
-def _outputs(obj: Any) -> Iterator[torch.Tensor]:
+def grad_outputs_of(obj: Any) -> Iterator[torch.Tensor]:
     """Tensors that carry gradient inside a module's output (tuples, lists, dicts, HF outputs)."""
-    return (t for t in probes.nested_tensors(obj) if t.requires_grad and t.grad_fn is not None)
+    return (t for t in torch_access.nested_tensors(obj) if t.requires_grad and t.grad_fn is not None)
 
 
 class BackwardEnd:
@@ -85,7 +85,7 @@ class BackwardEnd:
         self._queued = None  # a new forward: a pass that died mid-way queues nothing any more
         if not self.by_output:
             return
-        for t in _outputs(output):
+        for t in grad_outputs_of(output):
             # a pre-hook on the output's node fires when a tensor hook would, at half the host cost
             t.grad_fn.register_prehook(self._on_output_grad)
 
@@ -99,13 +99,13 @@ class BackwardEnd:
     def _fire(self, *_: Any) -> None:
         if not self._active:
             return
-        current = probes.backward_pass_id()
+        current = torch_access.backward_pass_id()
         if self._queued is not None and (current == -1 or current == self._queued):
             return  # this pass's end is queued already (several outputs, or both triggers)
         self._queued = current
         self._fired = True
         self._started()
-        probes.at_backward_end(self._on_end)
+        torch_access.at_backward_end(self._on_end)
 
     def _on_end(self) -> None:
         self._queued = None

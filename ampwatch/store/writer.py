@@ -18,12 +18,12 @@ import queue
 import sqlite3
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sqlite_utils import Database
 
 from . import schema
-from .record.packing import PackReader, Rows, StepPack
+from .rows import Rows
 
 log = logging.getLogger("ampwatch")
 
@@ -63,20 +63,23 @@ def create_run_file(path: str, info: dict[str, Any], tensors: list[dict[str, Any
 
 
 class RunWriter:
-    """Owns the SQLite connection on its own thread. ``failure`` is set if it dies."""
+    """Owns the SQLite connection on its own thread. ``failure`` is set if it dies.
 
-    def __init__(self, path: str, packs: PackReader, flush_every_s: float) -> None:
+    ``to_rows`` turns one handed-over step (opaque to the writer) into :class:`Rows`; it runs on
+    this thread, so whatever the conversion waits for (a device transfer) never stalls training."""
+
+    def __init__(self, path: str, to_rows: Callable[[Any], Rows], flush_every_s: float) -> None:
         self.path = path
         self.failure: Optional[BaseException] = None
-        self._packs = packs
+        self._to_rows = to_rows
         self._flush_every_s = flush_every_s
         self._queue: "queue.Queue[Any]" = queue.Queue()
-        self._steps: "collections.deque[StepPack]" = collections.deque()  # append/popleft are atomic
+        self._steps: "collections.deque[Any]" = collections.deque()  # append/popleft are atomic
         self._inode = os.stat(path).st_ino
         self._thread = threading.Thread(target=self._run, name="ampwatch-writer", daemon=True)
         self._thread.start()
 
-    def put_step(self, pack: StepPack) -> None:
+    def put_step(self, pack: Any) -> None:
         self._steps.append(pack)
 
     def put_info(self, **fields: Any) -> None:
@@ -146,7 +149,7 @@ class RunWriter:
                 item = None
             # steps first: everything put before this item (or before close's _STOP) is in the deque
             while self._steps:
-                pending.extend(self._packs.rows(self._steps.popleft()))
+                pending.extend(self._to_rows(self._steps.popleft()))
             if item is _STOP:
                 stop = True
             elif item is not None:

@@ -10,14 +10,14 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from .errors import RunError
-from .group import RunGroup, load_groups
+from ..errors import RunError
+from ..jobs.group import RunGroup, load_groups
 
 
 @dataclass
 class JobView:
     """A job for the Ranks page: ``files`` ``{rank: file name}``, ``missing`` ranks, ``unreadable``
-    ``[(rank, file, reason)]``, the :class:`~ampwatch.groupdata.GroupOverview` pieces, ``first``
+    ``[(rank, file, reason)]``, the :class:`~ampwatch.jobs.combine.GroupOverview` pieces, ``first``
     (where NaN/Inf appeared first: step, rank, module, phase, micro_batch) and ``findings``
     (the group doctor's, as dicts)."""
     name: str
@@ -45,7 +45,7 @@ def group_of(folder: Any, file: str) -> RunGroup:
 
 def job_view(folder: Any, file: str) -> JobView:
     """The Ranks page's data for the job that ``folder/file`` belongs to."""
-    from .group_doctor import diagnose_group
+    from ..doctor.job import diagnose_group
     group = group_of(folder, file)
     ov = group.overview()
     first = group.first_nonfinite()

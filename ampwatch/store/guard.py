@@ -4,7 +4,7 @@ A run file is a post-mortem people copy between machines and keep after crashes,
 truncated files, flipped bits and zeroed pages (issue 11). SQLite checks the header when a file is
 opened but finds a damaged page only when a query reads it, and a flipped type byte can hand a reader
 text where it expects a number. Instead of a try/except in every caller, every public reader goes
-through :func:`guard` (the :func:`reads` decorator, or :func:`ampwatch.reader.connect`): when reading
+through :func:`guard` (the :func:`reads` decorator, or :func:`ampwatch.store.reader.connect`): when reading
 fails, the file is checked (``PRAGMA quick_check`` and column types, per table, on the error path
 only). A damaged file becomes :class:`RunError` naming the damaged tables and how to salvage the rest;
 a clean file lets the original exception through, because then it is a bug in ampwatch, not bad input.
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-from .errors import RunError
+from ..errors import RunError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

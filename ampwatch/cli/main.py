@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import click
 
-from .errors import OutputError, RunError
+from ..errors import OutputError, RunError
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -25,7 +25,7 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def _load(path: str):
-    from .reader import Run
+    from ..store.reader import Run
     return Run(path)
 
 
@@ -79,13 +79,13 @@ def summary(path: str) -> None:
         ampwatch summary sample_runs/overflow_storm.sqlite
         ampwatch summary runs/ddp_job/
     """
-    from .summary import summarize
+    from ..doctor.summary import summarize
     if not Path(path).is_dir():
         run = _load(path)
         click.echo(_summary_text(summarize(run), run.path.name))
         return
-    from .group import load_groups
-    from .groupreport import format_job_summary
+    from ..jobs.group import load_groups
+    from .job_report import format_job_summary
     status, blocks = 0, []
     for group in load_groups(path):
         if not group.paths:  # a file that is no run and belongs to no job
@@ -131,9 +131,9 @@ def ls_(folder: str) -> None:
     Example:
         ampwatch ls sample_runs
     """
-    from .doctor import diagnose, health
-    from .reader import find_runs
-    from .summary import summarize
+    from ..doctor import diagnose, health
+    from ..store.reader import find_runs
+    from ..doctor.summary import summarize
     paths = find_runs(folder)
     click.echo(f"{'name':<28} {'status':<12} {'steps':>8} {'skipped%':>9} {'last loss':>10}  health")
     for path in paths:
@@ -195,7 +195,7 @@ def demo(out: str, only: tuple) -> None:
         ampwatch demo --out sample_runs
     """
     target = _output_folder(out)  # before importing torch: a bad --out answers at once
-    from .demo import SAMPLES, make_samples, total_steps
+    from ..samples.demo import SAMPLES, make_samples, total_steps
     names = list(only) or None
     unknown = [n for n in only if n not in SAMPLES]
     if unknown:
@@ -229,11 +229,12 @@ def doctor(path: str, as_json: bool, fail_on: str) -> None:
         ampwatch doctor sample_runs/diverged.sqlite
         ampwatch doctor sample_runs --json
     """
-    from .doctor import SEVERITIES, health
+    from ..doctor import SEVERITIES, health
     failing = set() if fail_on == "never" else set(SEVERITIES[:SEVERITIES.index(fail_on) + 1])
     if Path(path).is_dir():
         _doctor_folder(path, as_json, failing)
-    from .doctor import diagnose, format_report
+    from ..doctor import diagnose
+    from .report import format_report
     run = _load(path)
     findings = diagnose(run)
     status = 1 if any(f.severity in failing for f in findings) else 0
@@ -246,10 +247,11 @@ def doctor(path: str, as_json: bool, fail_on: str) -> None:
 
 def _doctor_folder(path: str, as_json: bool, failing: set) -> None:
     """Every run in a folder; the rank files of a job are diagnosed together and reported once."""
-    from .doctor import diagnose, format_report, health, health_line
-    from .group import load_groups
-    from .group_doctor import diagnose_group, diagnose_ranks
-    from .groupreport import format_job_doctor, job_doctor_json
+    from ..doctor import diagnose, health
+    from .report import format_report, health_line
+    from ..jobs.group import load_groups
+    from ..doctor.job import diagnose_group, diagnose_ranks
+    from .job_report import format_job_doctor, job_doctor_json
     texts, payload, heads, status = [], [], [], 0
     for group in load_groups(path):
         for u in group.unreadable:  # the other runs are still diagnosed

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import ArgumentTypeError, OptionError
-from .userpath import short_repr
+from ..errors import ArgumentTypeError, OptionError
+from ..userpath import short_repr
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ _SCALER_METHODS = ("scale", "unscale_", "step", "update", "is_enabled")
 def check_arguments(model: Any, optimizer: Any, scaler: Any, name: Any, config: Any) -> None:
     """Raise :class:`ArgumentTypeError` (one line: what was passed, what is expected) when attach's
     arguments have the wrong type, before anything is hooked or read from them. ``path`` is checked
-    where it is resolved (:func:`ampwatch.runinfo.resolve_path`)."""
+    where it is resolved (:func:`ampwatch.record.runinfo.resolve_path`)."""
     import torch  # only attach gets here: the CLI and the docs read SETTINGS without torch
 
     def wrong(what: str, value: Any, expected: str) -> ArgumentTypeError:

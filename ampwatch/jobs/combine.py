@@ -1,6 +1,6 @@
 """Numbers across the ranks of a job: the per-step combination, the fast overview, the first NaN/Inf.
 
-Pure reading (SQLite, numpy, pandas); no torch. :class:`ampwatch.group.RunGroup` calls in here.
+Pure reading (SQLite, numpy, pandas); no torch. :class:`ampwatch.jobs.group.RunGroup` calls in here.
 
 Why the overview samples: a 64-rank x 100,000-step job holds 6.4M step rows, and turning SQLite rows
 into Python objects costs about a microsecond each, so reading them all takes seconds whatever is
@@ -19,11 +19,10 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from .group import EXACT_LIMIT, _threads
-from .reader import connect
-from .schema import STEP_NAN_BITS
+from ..store.reader import connect
+from ..store.schema import INF_BOUND, STEP_NAN_BITS
+from .threads import map_threads
 
-_INF = 1.7976931348623157e308  # abs(x) > this  <=>  x is +/-inf (SQLite has no isinf())
 _NAN_BITS = STEP_NAN_BITS["loss"] | STEP_NAN_BITS["grad_norm"]
 # Forward-pass phases: born on the rank whose batch caused it (backward is all-reduced under DDP).
 RANK_LOCAL_PHASES = ("forward", "loss")
@@ -57,7 +56,7 @@ def _all_rows(path: Any) -> pd.DataFrame:
 def core_steps(group: Any) -> pd.DataFrame:
     """Every rank's ``rank, step, loss, loss_scale, skipped, grad_norm`` (what :func:`combine_ranks` needs)."""
     files = list(group.files.values())
-    frames = [df.assign(rank=f.rank) for f, df in zip(files, _threads(_all_rows, [f.path for f in files]))]
+    frames = [df.assign(rank=f.rank) for f, df in zip(files, map_threads(_all_rows, [f.path for f in files]))]
     return pd.concat(frames, ignore_index=True) if frames else _steps_frame([], 0)
 
 
@@ -150,7 +149,7 @@ def default_points(ranks: int) -> int:
 
 
 def group_overview(group: Any, points: Optional[int] = None) -> GroupOverview:
-    """Per-rank headline figures and the sampled per-step view of a :class:`~ampwatch.group.RunGroup`.
+    """Per-rank headline figures and the sampled per-step view of a :class:`~ampwatch.jobs.group.RunGroup`.
 
     The steps drawn: every ``every``-th step (about ``points``) and every step at which any rank
     recorded a NaN/Inf event (``points`` default: :func:`default_points`). The recorder writes an event for every non-finite gradient or loss,
@@ -170,7 +169,7 @@ def group_overview(group: Any, points: Optional[int] = None) -> GroupOverview:
     marked = [(f.event_steps, f.last_loss) for f in files]
     exceptional = sorted(set().union(*(set(f.event_steps) for f in files)))
     wanted = json.dumps(sorted(set(range(first, last + 1, every)) | set(exceptional)))
-    rows = _threads(_rows_at, [(f.path, wanted) for f in files])
+    rows = map_threads(_rows_at, [(f.path, wanted) for f in files])
     steps = _steps_frame([r for part in rows for r in part], np.repeat([f.rank for f in files], [len(r) for r in rows]))
     global_steps = combine_ranks(steps, group.grad_sharding, group.world_size)
     disagree = global_steps.loc[~global_steps["skipped_agree"].astype(bool), "step"].astype(int).tolist()
@@ -229,7 +228,7 @@ def _first_step(args: tuple) -> Optional[int]:
             return ev
         # no localization: the steps table is the only evidence (one scan, inside SQLite)
         return conn.execute(f"SELECT MIN(step) FROM steps WHERE (nan_mask & {_NAN_BITS}) != 0"
-                            f" OR abs(loss) > {_INF} OR abs(grad_norm) > {_INF}").fetchone()[0]
+                            f" OR abs(loss) > {INF_BOUND} OR abs(grad_norm) > {INF_BOUND}").fetchone()[0]
 
 
 _EVENT_COLS = ["rank", "step", "phase", "module", "kind", "count", "amax", "dtype", "origin", "micro_batch"]
@@ -262,15 +261,15 @@ def first_nonfinite(group: Any, phases: Optional[tuple] = None) -> Optional[Firs
     """
     files = list(group.files.values())
     if phases is None:
-        firsts = _threads(_first_step, [(f.path, True) for f in files])
+        firsts = map_threads(_first_step, [(f.path, True) for f in files])
     else:
-        firsts = _threads(_first_phase_step, [(f.path, tuple(phases)) for f in files])
+        firsts = map_threads(_first_phase_step, [(f.path, tuple(phases)) for f in files])
     found = [(s, f) for s, f in zip(firsts, files) if s is not None]
     if not found:
         return None
     step = min(s for s, _ in found)
     at = [f for s, f in found if s == step]
-    parts = _threads(_events_at, [(f.rank, f.path, step, phases) for f in at])
+    parts = map_threads(_events_at, [(f.rank, f.path, step, phases) for f in at])
     ev = pd.DataFrame([r for part in parts for r in part], columns=_EVENT_COLS)
     ev["origin"] = ev["origin"].astype(bool)
     ev["amax"] = ev["amax"].astype(float)
@@ -299,8 +298,8 @@ def phase_steps(group: Any, phases: tuple = RANK_LOCAL_PHASES) -> dict[int, list
                                 " ORDER BY step", phases).fetchall()
         return [int(r[0]) for r in rows]
     files = list(group.files.values())
-    return dict(zip([f.rank for f in files], _threads(one, files)))
+    return dict(zip([f.rank for f in files], map_threads(one, files)))
 
 
 __all__ = ["combine_ranks", "core_steps", "group_overview", "first_nonfinite", "phase_steps", "GroupOverview", "FirstNonfinite",
-           "RANK_LOCAL_PHASES", "GLOBAL_COLUMNS", "EXACT_LIMIT"]
+           "RANK_LOCAL_PHASES", "GLOBAL_COLUMNS"]

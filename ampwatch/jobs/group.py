@@ -17,7 +17,7 @@ file name where the name says which. Neither is fatal.
 
 Cost: opening a group reads each file's run row, step bounds, last loss and the steps with NaN/Inf
 events (index lookups only: milliseconds per file, on a few threads). The fast
-per-step view is :meth:`RunGroup.overview` (:mod:`ampwatch.groupdata`); ``steps`` and
+per-step view is :meth:`RunGroup.overview` (:mod:`ampwatch.jobs.combine`); ``steps`` and
 ``global_steps`` read every row of every rank.
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import math
 import os
 import re
 import sqlite3
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -35,15 +34,17 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
-from .damage import truncation_error
-from .errors import RunError
-from .schema import STEP_NAN_BITS
-from .reader import RUN_SUFFIXES, Run, _check_schema, check_run_file, connect, effective_status
-from .userpath import path_text
+from ..store.guard import truncation_error
+from ..errors import RunError
+from ..store.schema import STEP_NAN_BITS
+from ..store.reader import RUN_SUFFIXES, Run, check_schema, check_run_file, connect, effective_status
+from ..userpath import path_text
+from .combine import combine_ranks, core_steps, first_nonfinite, group_overview
+from .threads import map_threads
 
 # Steps with NaN/Inf events kept one by one up to this many per rank (a run that is NaN for most
 # of its steps is sampled like the rest past it).
-EXACT_LIMIT = 20_000
+EVENT_STEPS_LIMIT = 20_000
 # Ranks of one job start within seconds of each other (they meet at the rendezvous); ten minutes
 # tolerates slow nodes and still separates two runs of the same script one after the other.
 JOB_START_WINDOW_S = 600.0
@@ -71,7 +72,7 @@ class RankFile:
     steps: int
     first_step: Optional[int]
     last_step: Optional[int]
-    event_steps: list[int]  # steps with NaN/Inf events (from the events_step index), up to EXACT_LIMIT
+    event_steps: list[int]  # steps with NaN/Inf events (from the events_step index), up to EVENT_STEPS_LIMIT
     last_loss: Optional[float]
 
 
@@ -81,7 +82,7 @@ def _read_rank_file(path: Path) -> RankFile:
     Constant time (no table scan): a file shorter than its own header's page count says is truncated."""
     p = check_run_file(path)
     with connect(p) as conn:
-        _check_schema(conn, p)
+        check_schema(conn, p)
         conn.row_factory = sqlite3.Row
         row = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
         if row is None:
@@ -92,7 +93,7 @@ def _read_rank_file(path: Path) -> RankFile:
         hi = conn.execute("SELECT MAX(step) FROM steps").fetchone()[0]
         n = 0 if lo is None else hi - lo + 1  # steps are numbered without gaps
         events = [r[0] for r in conn.execute("SELECT DISTINCT step FROM events ORDER BY step LIMIT ?",
-                                             (EXACT_LIMIT,))]
+                                             (EVENT_STEPS_LIMIT,))]
         tail = conn.execute("SELECT loss, nan_mask FROM steps ORDER BY step DESC LIMIT 1").fetchone()
     last_loss = None if tail is None else (math.nan if tail[1] & STEP_NAN_BITS["loss"] else tail[0])
     world = int(row.get("world_size") or 1)
@@ -189,14 +190,6 @@ def _read_one(path: Path) -> Any:
         return f"{str(path)!r} is corrupt or truncated ({exc})"
 
 
-def _threads(fn: Callable, items: list) -> list:
-    """``map(fn, items)`` on a few threads: sqlite3 releases the GIL while SQLite works."""
-    if len(items) <= 1:
-        return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(items))) as pool:
-        return list(pool.map(fn, items))
-
-
 def load_groups(folder_or_glob: Any) -> list["RunGroup"]:
     """Every job in a folder (or matched by a glob), in file-name order; single-process runs are groups of one.
 
@@ -209,7 +202,7 @@ def load_groups(folder_or_glob: Any) -> list["RunGroup"]:
     """
     paths = _expand(folder_or_glob)
     read, bad = [], []
-    for path, got in zip(paths, _threads(_read_one, paths)):  # a RankFile, or why not (a str)
+    for path, got in zip(paths, map_threads(_read_one, paths)):  # a RankFile, or why not (a str)
         if isinstance(got, str):
             bad.append((path, got))
         else:
@@ -359,12 +352,11 @@ class RunGroup:
 
     @cached_property
     def _global(self) -> pd.DataFrame:
-        from .groupdata import combine_ranks, core_steps
         return combine_ranks(core_steps(self), self.grad_sharding, self.world_size)
 
     @property
     def global_steps(self) -> pd.DataFrame:
-        """One row per step across the ranks (see :func:`ampwatch.groupdata.combine_ranks` for the columns):
+        """One row per step across the ranks (see :func:`ampwatch.jobs.combine.combine_ranks` for the columns):
         the global grad norm rebuilt from the ranks, skipped with ``skipped_agree``, loss mean and spread.
 
         Reads five columns of every row of every rank (64 ranks x 100,000 steps: README "Distributed jobs")."""
@@ -372,13 +364,11 @@ class RunGroup:
 
     def overview(self, points: Optional[int] = None) -> Any:
         """The job at a glance, fast: per-rank headline figures and the steps sampled for a chart
-        (:func:`ampwatch.groupdata.group_overview`)."""
-        from .groupdata import group_overview
+        (:func:`ampwatch.jobs.combine.group_overview`)."""
         return group_overview(self, points)
 
     def first_nonfinite(self) -> Any:
-        """Where NaN/Inf appeared first across the job (:func:`ampwatch.groupdata.first_nonfinite`)."""
-        from .groupdata import first_nonfinite
+        """Where NaN/Inf appeared first across the job (:func:`ampwatch.jobs.combine.first_nonfinite`)."""
         return first_nonfinite(self)
 
     def __repr__(self) -> str:

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from .doctor import SEVERITIES, Finding
-from .doctor.report import _wrap
-from .group import RunGroup, rank_list
-from .groupdata import first_nonfinite
+from ..doctor import SEVERITIES, Finding
+from .report import wrap
+from ..jobs.group import RunGroup, rank_list
+from ..jobs.combine import first_nonfinite
 
 SHARDING_TEXT = {"sharded": "sharded gradients (FSDP)", "replicated": "replicated gradients (DDP)",
                  "none": "one process"}
@@ -119,7 +119,7 @@ def format_job_doctor(group: RunGroup, job: list[Finding], per_rank: list[tuple[
     for f, ranks in [(f, None) for f in job] + per_rank:
         who = "" if ranks is None else "  [every rank]" if set(ranks) == every else f"  [rank {rank_list(ranks)}]"
         lines += ["", f"{f.severity.upper():<8}{f.id}  ({_span(f)}){who}"]
-        lines += _wrap("", f.title) + _wrap("evidence: ", f.evidence) + _wrap("advice:   ", f.advice)
+        lines += wrap("", f.title) + wrap("evidence: ", f.evidence) + wrap("advice:   ", f.advice)
     return "\n".join(lines)
 
 
