@@ -27,7 +27,8 @@ def _growing_run(path, steps: int = 40):
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     seen: dict[int, float] = {}
     state = {"step": -1}
-    model[2].register_forward_hook(lambda m, a, out: seen.__setitem__(state["step"], float(out.detach().float().abs().max())))
+    model[2].register_forward_hook(
+        lambda m, a, out: seen.__setitem__(state["step"], float(out.detach().float().abs().max())))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     with ampwatch.attach(model, opt, scaler, path=str(path), layer_every=2) as watch:
