@@ -395,6 +395,7 @@ class ModuleObserver:
         self.root_calls = 0          # forward calls of the root module: the step's micro-batches
         self._first_used = False     # ``_first`` holds marks of this step
         self.fp32_amax: dict[int, Optional[float]] = {}  # the counterfactual's answer (module -> amax)
+        self.lowp_amax: dict[int, Optional[float]] = {}  # the same, re-run in the call's own dtypes
         self.fp32_checked = False
 
     def _settle(self) -> None:
@@ -415,7 +416,8 @@ class ModuleObserver:
                 # where reads are free, a step whose queue was dropped unreduced has empty stats: the
                 # writer skips decoding them (most CPU steps)
                 "observed": (bool(self._calls) or self._wrote) and (self._host is None or self._host.touched),
-                "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax}
+                "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax,
+                "lowp": self.lowp_amax}
         if self.keeper is not None:
             self.keeper.clear()  # the step's kept inputs are released here
         # re-learn only when the structure visibly changed (the number of module calls)
