@@ -29,7 +29,7 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     :param name: run name (default: the file's stem).
     :param config: a JSON-able dict stored with the run (hyper-parameters).
     :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``overwrite``
-        (see README).
+        (see docs/api.md).
 
     A wrong option value raises :class:`ampwatch.errors.OptionError` (a ValueError); an argument of
     the wrong type (model, optimizer, scaler, path, name, config) raises

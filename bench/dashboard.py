@@ -1,4 +1,4 @@
-"""How fast the dashboard's data is ready on a big run (issue 4: overview < 1.5 s, heatmap < 3 s).
+"""How fast the dashboard's data is ready on a big run (targets: overview < 1.5 s, heatmap < 3 s).
 
 Builds a 1,000,000-step run with 200 parameter tensors and 150 modules in a file created by the real
 writer (``create_run_file``: the real schema and run row), with per-layer and per-module rows at the

@@ -1,4 +1,4 @@
-"""How long reading a distributed job takes: 64 ranks x 100,000 steps (issue 12).
+"""How long reading a distributed job takes: 64 ranks x 100,000 steps.
 
 Builds the job's files with the run writer directly (``create_run_file`` plus the writer's own
 INSERT statements; no training), once, under ``--dir``: every rank has 100,000 steps (loss, scale,

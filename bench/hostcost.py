@@ -116,7 +116,7 @@ def eager_variants(folder: str) -> tuple[dict, torch.nn.Module]:
 
 def compiled_variants(folder: str, backend: str) -> tuple[dict, torch.nn.Module]:
     """A compiled copy per variant (hooks are guarded: attaching to one compiled copy and detaching
-    again would recompile it every block), ampwatch attached before compiling, as the README says."""
+    again would recompile it every block), ampwatch attached before compiling, as docs/localization.md says."""
     variants = {}
     for name, options in (("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}),
                           ("localize=False", {"localize": False})):

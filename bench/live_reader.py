@@ -1,5 +1,5 @@
 """A reader polling a live run every 100 ms (what the dashboard's Live page and `ampwatch summary` do):
-does it slow the training thread, or let the WAL grow without bound? (issue 11)
+does it slow the training thread, or let the WAL grow without bound?
 
 Part 1, step time: a small MLP trains with ampwatch attached (default flush, 1 s) in blocks of
 ``--block`` steps, alternating without / with a reader process (`Run` + `summarize` every 100 ms) —

@@ -9,7 +9,7 @@ median step time per variant and the median over rounds of the paired ratio vari
     python bench/overhead.py --workload mlp --variants base,ampwatch,duo,anomaly
     python bench/overhead.py --lightning --workload gpt-small --rounds 12 --steps 20   # the Lightning callback
 
-Workloads: ``gpt`` = GPT-like, 4 layers, d_model 256, seq 128, batch 16 (issue 2's reference);
+Workloads: ``gpt`` = GPT-like, 4 layers, d_model 256, seq 128, batch 16 (the reference transformer);
 ``gpt-small`` = 2 layers, d_model 128, seq 64, batch 8; ``mlp`` = 3-layer MLP (64-128-128-10),
 batch 64. fp16 autocast + ``GradScaler("cpu")``, unscale_ + clip_grad_norm_ as in the README loop.
 """

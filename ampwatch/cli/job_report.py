@@ -1,4 +1,4 @@
-"""Plain-text reports of a distributed job for the CLI: ``summary`` and ``doctor`` on a folder (issue 12).
+"""Plain-text reports of a distributed job for the CLI: ``summary`` and ``doctor`` on a folder.
 
 A job is reported once: its figures across ranks, then one line per rank only where the ranks
 differ (status, steps, skips, first NaN/Inf; the loss differs by design, each rank has its own data).

@@ -1,7 +1,7 @@
 """Pure Plotly builders for the dashboard: data in, ``go.Figure`` out (no Streamlit, no torch).
 
 Inputs are the plain structures of :mod:`ampwatch.dashboard.rundata`. Every figure sets ``uirevision`` so a
-live refresh keeps the user's zoom (issue 4: "without losing its place").
+live refresh keeps the user's zoom ("without losing its place").
 """
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ RANK_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"
 def ranks_figure(steps: pd.DataFrame, global_steps: pd.DataFrame, first: Optional[Mapping[str, Any]] = None,
                  selected: Optional[int] = None, height: int = 720) -> go.Figure:
     """Per-rank loss and grad norm on one step axis, the global grad norm, skipped agreement, and the
-    first rank to go non-finite (issue 12).
+    first rank to go non-finite.
 
     :param steps: per-rank rows ``rank, step, loss, grad_norm`` (``GroupOverview.steps``).
     :param global_steps: ``step, grad_norm, skipped, skipped_agree, skipped_ranks, ranks``.

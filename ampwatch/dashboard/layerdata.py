@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 
 from ..store.guard import reads
-from .rundata import DTYPE_MAX, frame_of, open_run, run_info
+from .rundata import DTYPE_MAX, frame_of, run_info
+from ..store.reader import aliases_in, open_run
 from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Heatmap columns. Each is one small GROUP BY over a primary-key range; ~1000 is the fastest split
@@ -52,10 +53,9 @@ def alias_label(name: str, aliases: Any) -> str:
 def tensor_names(conn: sqlite3.Connection, kind: str = "param") -> pd.DataFrame:
     """id, name and aliases (the other names of a tied parameter / shared module, comma-separated;
     "" for none and for runs recorded before aliases were, schema < 3)."""
-    cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
-    alias = "aliases" if "aliases" in cols else "NULL AS aliases"
-    df = frame_of(conn, f"SELECT id, name, {alias} FROM tensors WHERE kind = ? ORDER BY id", (kind,))
-    df["aliases"] = [", ".join(json.loads(a)) if isinstance(a, str) and a else "" for a in df["aliases"]]
+    df = frame_of(conn, "SELECT id, name FROM tensors WHERE kind = ? ORDER BY id", (kind,))
+    others = aliases_in(conn)
+    df["aliases"] = [", ".join(others.get(n, ())) for n in df["name"]]
     return df
 
 

@@ -1,4 +1,4 @@
-"""The dashboard's Ranks page data: the job a chosen run file belongs to, as plain data (issue 12).
+"""The dashboard's Ranks page data: the job a chosen run file belongs to, as plain data.
 
 Everything returned pickles (Streamlit caches copies): DataFrames, dicts, lists; no open files.
 """

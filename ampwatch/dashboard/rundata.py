@@ -1,4 +1,4 @@
-"""The dashboard's data: SQL over one run file, downsampled so nothing that matters is hidden (issue 4).
+"""The dashboard's data: SQL over one run file, downsampled so nothing that matters is hidden.
 
 Long runs are drawn from a subset of rows chosen in SQL: per step bucket, the rows where each
 series (loss, loss scale, grad norm, lr) is smallest and largest, the bucket's first and last step,
@@ -7,7 +7,7 @@ still drawn at its exact step (reservoir or point sampling, as in TensorBoard or
 Buckets are walked as ranges of the primary key, so no query sorts the whole table: a GROUP BY on
 ``step / width`` would sort every row first (6 s on 10M layer rows, bench/dashboard.py).
 
-Every function opens the file read-only through :func:`ampwatch.store.reader.connect` and returns plain
+Every function opens the file read-only through :func:`ampwatch.store.reader.open_run` and returns plain
 pandas/numpy data; no Streamlit, no Plotly. Per-layer and per-module data: :mod:`ampwatch.dashboard.layerdata`.
 """
 from __future__ import annotations
@@ -15,19 +15,19 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
 
 from ..store.guard import reads
 from ..errors import RunError
-from ..store.reader import check_schema, alias_map, check_run_file, clip_threshold, connect, effective_status, find_runs
+from ..store.reader import RunConnection, aliases_in, decode_nan_mask, event_columns, clip_threshold, effective_status, find_runs, open_run
 from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
 from ..doctor.summary import error_tail
+from ..doctor.warmup import warmup_end, warmup_in_file
 
 # About one point per horizontal pixel of a wide chart; each bucket contributes up to ~10 rows.
 STEP_BUCKETS = 2000
@@ -40,65 +40,43 @@ _NONFINITE_STEP = (f"(nan_mask & {STEP_NAN_BITS['loss'] | STEP_NAN_BITS['grad_no
 SERIES = ("loss", "loss_scale", "grad_norm", "lr")
 
 
-@contextmanager
-def open_run(path: Any) -> Iterator[sqlite3.Connection]:
-    """A read-only connection to a checked ampwatch run (RunError with one line otherwise)."""
-    p = check_run_file(path)
-    with connect(p) as conn:
-        check_schema(conn, p)
-        yield conn
-
-
 def frame_of(conn: sqlite3.Connection, sql: str, params: Any = ()) -> pd.DataFrame:
     return pd.read_sql_query(sql, conn, params=params)
 
 
 def _steps_frame(df: pd.DataFrame) -> pd.DataFrame:
     """NULL + nan_mask bit -> NaN; NULL without the bit stays 'not measured' (also NaN in pandas)."""
-    for col, bit in STEP_NAN_BITS.items():
-        df[f"{col}_nan"] = (df["nan_mask"] & bit) != 0
+    df = decode_nan_mask(df, STEP_NAN_BITS, flags=tuple(STEP_NAN_BITS))
     for col in SERIES:
         df[col] = df[col].astype(float)
     df["skipped"] = df["skipped"].astype(bool)
     df["nonfinite"] = df["loss_nan"] | df["grad_norm_nan"] | ~np.isfinite(df["loss"].fillna(0.0)) \
         | ~np.isfinite(df["grad_norm"].fillna(0.0))
-    return df.drop(columns=["nan_mask"])
+    return df
 
 
 # -- runs table -------------------------------------------------------------------------------------
-
-def warmup_end(conn: sqlite3.Connection) -> int:
-    """The first step after the scaler's warm-up: the leading, back-to-back skipped steps (the doctor's
-    definition, docs/doctor.md). Gradient overflow before it is the scaler backing off, not a NaN run.
-    A run that never has a clean step has no warm-up (it never ended)."""
-    first, first_clean = conn.execute("SELECT MIN(step), (SELECT MIN(step) FROM steps WHERE skipped = 0)"
-                                      " FROM steps").fetchone()
-    return first_clean if first is not None and first_clean is not None else (first or 0)
-
 
 @reads
 def run_row(path: Any) -> dict[str, Any]:
     """One row of the runs table, from SQL aggregates (fast on a 1M-step run)."""
     with open_run(path) as conn:
-        conn.row_factory = sqlite3.Row
-        info = dict(conn.execute("SELECT * FROM run WHERE id = 1").fetchone() or {})
-        if not info:
-            raise RunError(f"{str(path)!r} has no run row: it is not a complete ampwatch run")
+        info = conn.run_row
         n, skipped, first, last = conn.execute(
             "SELECT COUNT(*), COALESCE(SUM(skipped), 0), MIN(step), MAX(step) FROM steps").fetchone()
         tail = conn.execute("SELECT loss, loss_scale, nan_mask FROM steps ORDER BY step DESC LIMIT 1").fetchone()
-        warm = warmup_end(conn)
+        warm = warmup_end(warmup_in_file(conn, bool(info.get("scaler_enabled"))), first or 0)
         bad = conn.execute(f"SELECT MIN(step) FROM steps WHERE ({_NONFINITE_STEP}) AND (step >= ? OR"
                            f" (nan_mask & {STEP_NAN_BITS['loss']}) != 0 OR abs(loss) > {INF_BOUND})", (warm,)).fetchone()[0]
         ev = conn.execute("SELECT MIN(step) FROM events WHERE step >= ? OR phase IN ('forward', 'loss')",
                           (warm,)).fetchone()[0]
     last_loss = None
     if tail is not None:
-        last_loss = math.nan if tail["nan_mask"] & STEP_NAN_BITS["loss"] else tail["loss"]
+        last_loss = math.nan if tail[2] & STEP_NAN_BITS["loss"] else tail[0]
     firsts = [s for s in (bad, ev) if s is not None]
     return {"name": info["name"], "file": Path(path).name, "status": effective_status(info),
             "steps": n, "skipped": skipped, "skipped_pct": 100.0 * skipped / n if n else 0.0,
-            "final_scale": tail["loss_scale"] if tail is not None else None,
+            "final_scale": tail[1] if tail is not None else None,
             "first_nonfinite_step": min(firsts) if firsts else None, "last_loss": last_loss,
             "started": pd.to_datetime(info["started_at"], unit="s", errors="coerce"), "amp_dtype": info.get("amp_dtype"),
             "first_step": first, "last_step": last, "error_tail": error_tail(info) if effective_status(info) == "crashed" else []}
@@ -244,10 +222,8 @@ def downsample_steps(conn: sqlite3.Connection, start: int, end: int, buckets: in
     return _steps_frame(df), width
 
 
-def run_info(conn: sqlite3.Connection) -> dict[str, Any]:
-    conn.row_factory = sqlite3.Row
-    row = dict(conn.execute("SELECT * FROM run WHERE id = 1").fetchone() or {})
-    conn.row_factory = None
+def run_info(conn: RunConnection) -> dict[str, Any]:
+    row = dict(conn.run_row)
     try:
         row["config"] = json.loads(row.pop("config_json", None) or "{}")
     except ValueError:
@@ -292,34 +268,28 @@ def skip_rate(path: Any, buckets: int = 200) -> pd.DataFrame:
 
 def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame, column: str = "module") -> pd.DataFrame:
     """An ``aliases`` column: the other names of a tied parameter / shared module ("" for none)."""
-    cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
-    rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
-        if "aliases" in cols else []
-    others = alias_map(rows)
+    others = aliases_in(conn)
     df["aliases"] = [", ".join(others.get(m, ())) for m in df[column]]
     return df
 
 
-_EVENT_EXTRA = ("fp32_amax", "micro_batch", "flows_into")  # newer columns: older runs lack them
-
-
 def _event_columns(conn: sqlite3.Connection) -> str:
-    have = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
-    return "".join(f", {c}" for c in _EVENT_EXTRA if c in have)
+    return event_columns(conn, ("fp32_amax", "lowp_amax", "micro_batch", "flows_into"), missing_as_null=False)
 
 
 @reads
 def events(path: Any) -> pd.DataFrame:
     """NaN/Inf events, origin first within each step (the module where it was born).
 
-    ``warmup`` is True for gradient overflow during the scaler's warm-up (:func:`warmup_end`):
+    ``warmup`` is True for gradient overflow during the scaler's warm-up (:mod:`ampwatch.doctor.warmup`):
     expected, the scaler backing off from its initial scale (the runs table does not count them).
     """
     with open_run(path) as conn:
         df = frame_of(conn, f"SELECT step, origin, module, phase, kind, count, amax, dtype{_event_columns(conn)}"
                        " FROM events ORDER BY step, origin DESC, id")
         df = _with_aliases(conn, df)
-        warm = warmup_end(conn)
+        first = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0] or 0
+        warm = warmup_end(warmup_in_file(conn, bool(conn.run_row.get("scaler_enabled"))), first)
     df["origin"] = df["origin"].astype(bool)
     df["warmup"] = (df["step"] < warm) & ~df["phase"].isin(["forward", "loss"])
     return df
@@ -334,9 +304,7 @@ def step_detail(path: Any, step: int) -> dict[str, Any]:
         layers = frame_of(conn, "SELECT t.name AS layer, l.grad_norm, l.grad_amax, l.param_norm, l.grad_nonfinite,"
                            " l.grad_zero_frac, l.nan_mask FROM layers l JOIN tensors t ON t.id = l.param_id"
                            " WHERE l.step = ? ORDER BY l.param_id", (int(step),))
-        for col, bit in LAYER_NAN_BITS.items():
-            layers[col] = layers[col].astype(float).where((layers["nan_mask"] & bit) == 0, math.nan)
-        layers["grad_norm_nan"] = (layers["nan_mask"] & LAYER_NAN_BITS["grad_norm"]) != 0
+        layers = decode_nan_mask(layers, LAYER_NAN_BITS, flags=("grad_norm",), drop=False)
         layers = _with_aliases(conn, layers, "layer")
         modules = frame_of(conn, "SELECT t.name AS module, CASE m.phase WHEN 0 THEN 'forward' ELSE 'backward' END"
                             " AS phase, m.amax, m.nonfinite FROM modules m JOIN tensors t ON t.id = m.module_id"

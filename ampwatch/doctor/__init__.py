@@ -1,5 +1,4 @@
-"""The doctor: a recorded run in, root causes with their consequences, evidence and a fix out
-(issues 5 and 10).
+"""The doctor: a recorded run in, root causes with their consequences, evidence and a fix out.
 
 Reads only the :class:`ampwatch.Run` it is given, read-only, and never imports torch. The package
 owns its vocabulary (:mod:`.finding`); the rules, with their thresholds and the reasons for them,

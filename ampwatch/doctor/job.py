@@ -1,4 +1,4 @@
-"""The doctor for a distributed job: which rank did it (issue 12).
+"""The doctor for a distributed job: which rank did it.
 
 Under DDP the gradients are all-reduced, so every rank sees an inf born anywhere and every rank
 skips the step: the per-rank doctor cannot tell a bad batch from a bad model. The forward pass is

@@ -7,29 +7,22 @@ import numpy as np
 import pandas as pd
 
 from ..store.guard import reads
+from ..store.reader import connect
+from .warmup import warmup_end, warmup_in_file
 
 
 def _finite(values: pd.Series) -> pd.Series:
     return values[np.isfinite(values.astype(float))]
 
 
-def warmup_end(steps: pd.DataFrame) -> int:
-    """The first step after the scaler's warm-up (the leading back-to-back skipped steps); the first
-    step when there is none, or when no step is ever clean (a warm-up that never ended is not one)."""
-    if not len(steps):
-        return 0
-    clean = steps.loc[~steps["skipped"].astype(bool), "step"]
-    return int(clean.iloc[0]) if len(clean) else int(steps["step"].iloc[0])
-
-
-def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame] = None) -> Optional[int]:
+def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame], warm: int) -> Optional[int]:
     """First step whose loss or grad norm is NaN/inf, or that has a non-finite event, not counting
-    gradient overflow during the scaler's warm-up (:func:`warmup_end`): that is normal.
+    gradient overflow during the scaler's warm-up (steps before ``warm``, :mod:`.warmup`): that is
+    normal.
 
     A column that is empty for the whole run (no loss logged) is not evidence of NaN.
     """
     candidates = []
-    warm = warmup_end(steps)
     for col in ("loss", "grad_norm"):
         values = steps[col].astype(float) if len(steps) else pd.Series(dtype=float)
         if values.notna().any():
@@ -57,6 +50,8 @@ def summarize(run: Any) -> dict[str, Any]:
     """Steps, skips, loss/scale/grad-norm figures and status of a :class:`ampwatch.Run`."""
     info, steps = run.info, run.steps
     n = len(steps)
+    with connect(run.path) as conn:
+        warm = warmup_end(warmup_in_file(conn, info["scaler_enabled"]), int(steps["step"].iloc[0]) if n else 0)
     skipped = int(steps["skipped"].sum()) if n else 0
     loss = steps["loss"] if n else pd.Series(dtype=float)
     finite_loss = _finite(loss)
@@ -71,7 +66,8 @@ def summarize(run: Any) -> dict[str, Any]:
         "scale_start": float(scale.iloc[0]) if len(scale) else None,
         "scale_min": float(scale.min()) if len(scale) else None,
         "scale_final": float(scale.iloc[-1]) if len(scale) else None,
-        "first_nonfinite_step": first_nonfinite_step(steps, run.events),
+        "first_nonfinite_step": first_nonfinite_step(steps, run.events, warm),
+        "warmup_end_step": warm,
         # the loss alone: gradient overflow during the scaler's warm-up is normal, a NaN loss is not
         "first_nonfinite_loss_step": _first_nonfinite(steps, "loss"),
         "grad_norm_p50": float(norms.quantile(0.5)) if len(norms) else None,

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from ..store.reader import connect
+from ..store.reader import connect, decode_nan_mask, event_columns
 from ..store.schema import INF_BOUND, STEP_NAN_BITS
 from .threads import map_threads
 
@@ -43,9 +43,7 @@ def _steps_frame(rows: list, rank: Any) -> pd.DataFrame:
     df = pd.DataFrame({"rank": np.broadcast_to(np.asarray(rank, dtype=np.int64), (len(a),)).copy(),
                        "step": a[:, 0].astype(np.int64), "loss": a[:, 1], "loss_scale": a[:, 2],
                        "skipped": np.nan_to_num(a[:, 3]).astype(bool), "grad_norm": a[:, 4]})
-    for col, bit in STEP_NAN_BITS.items():
-        df.loc[(mask & bit) != 0, col] = np.nan
-    return df
+    return decode_nan_mask(df, STEP_NAN_BITS, mask=mask)
 
 
 def _all_rows(path: Any) -> pd.DataFrame:
@@ -139,7 +137,7 @@ def _rows_at(args: tuple) -> list:
 
 
 # Points drawn per rank: the chart draws ranks x points per series, and each point costs a page
-# read per rank file (the sampled reads dominate the overview's time, README "Distributed jobs").
+# read per rank file (the sampled reads dominate the overview's time, docs/performance.md).
 POINTS_BUDGET, POINTS_MIN, POINTS_MAX = 32_000, 250, 1000
 
 
@@ -215,11 +213,6 @@ class FirstNonfinite:
     events: pd.DataFrame
 
 
-def _event_columns(conn: Any) -> str:
-    cols = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
-    return "micro_batch" if "micro_batch" in cols else "NULL AS micro_batch"
-
-
 def _first_step(args: tuple) -> Optional[int]:
     path, scan_steps = args
     with connect(path) as conn:
@@ -238,8 +231,8 @@ def _events_at(args: tuple) -> list:
     rank, path, step, phases = args
     with connect(path) as conn:
         where = "step = ?" if phases is None else f"step = ? AND phase IN ({', '.join('?' * len(phases))})"
-        return conn.execute(f"SELECT {int(rank)}, step, phase, module, kind, count, amax, dtype, origin, "
-                            f"{_event_columns(conn)} FROM events WHERE {where} ORDER BY id",
+        return conn.execute(f"SELECT {int(rank)}, step, phase, module, kind, count, amax, dtype, origin"
+                            f"{event_columns(conn, ('micro_batch',))} FROM events WHERE {where} ORDER BY id",
                             (step, *(phases or ()))).fetchall()
 
 

@@ -1,4 +1,4 @@
-"""The ranks of one distributed job, read back together (issue 12): :func:`load_group`.
+"""The ranks of one distributed job, read back together: :func:`load_group`.
 
 Each rank of a job writes its own run file. A group is recognised from what the files record:
 
@@ -37,7 +37,7 @@ import pandas as pd
 from ..store.guard import truncation_error
 from ..errors import RunError
 from ..store.schema import STEP_NAN_BITS
-from ..store.reader import RUN_SUFFIXES, Run, check_schema, check_run_file, connect, effective_status
+from ..store.reader import RUN_SUFFIXES, Run, effective_status, open_run
 from ..userpath import path_text
 from .combine import combine_ranks, core_steps, first_nonfinite, group_overview
 from .threads import map_threads
@@ -80,14 +80,8 @@ def _read_rank_file(path: Path) -> RankFile:
     """The run row and step bounds of one file; RunError if it is not a readable run.
 
     Constant time (no table scan): a file shorter than its own header's page count says is truncated."""
-    p = check_run_file(path)
-    with connect(p) as conn:
-        check_schema(conn, p)
-        conn.row_factory = sqlite3.Row
-        row = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
-        if row is None:
-            raise RunError(f"{str(p)!r} has no run row: it is not a complete ampwatch run")
-        row = dict(row)
+    with open_run(path) as conn:
+        p, row = conn.path, conn.run_row
         _check_length(p)
         lo = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0]  # apart: together they scan
         hi = conn.execute("SELECT MAX(step) FROM steps").fetchone()[0]
@@ -359,7 +353,7 @@ class RunGroup:
         """One row per step across the ranks (see :func:`ampwatch.jobs.combine.combine_ranks` for the columns):
         the global grad norm rebuilt from the ranks, skipped with ``skipped_agree``, loss mean and spread.
 
-        Reads five columns of every row of every rank (64 ranks x 100,000 steps: README "Distributed jobs")."""
+        Reads five columns of every row of every rank (64 ranks x 100,000 steps: docs/performance.md)."""
         return self._global.copy()
 
     def overview(self, points: Optional[int] = None) -> Any:

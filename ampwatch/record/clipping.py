@@ -1,4 +1,4 @@
-"""Learn the clip threshold from the ``clip_grad_norm_`` call itself (issue 13).
+"""Learn the clip threshold from the ``clip_grad_norm_`` call itself.
 
 Loops pass ``max_norm`` as a literal or under their own config key (nanoGPT ``grad_clip``, HF
 ``max_grad_norm``, Lightning ``gradient_clip_val``), so the recorder watches the call instead.

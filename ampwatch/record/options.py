@@ -35,7 +35,7 @@ def _is_bool(v: Any) -> bool:
 SETTINGS: tuple[Setting, ...] = (
     # 20 keeps a 100k-step run of 200 parameter tensors and 150 modules at ~95 MB (10 would be
     # ~190 MB, over the 150 MB budget; bench/storage.py) and
-    # costs < 1% per step on the reference transformer (bench/overhead.py, README).
+    # costs < 1% per step on the reference transformer (bench/overhead.py, docs/performance.md).
     Setting("layer_every", 20, _positive_int, "an int >= 1",
             "per-layer/per-module detail every N steps (always on skipped or non-finite steps)"),
     Setting("localize", True, _is_bool, "True or False",

@@ -67,7 +67,7 @@ def parameter_table(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """The parameters we track (model's, tied weights once, then any optimizer-only ones) and their rows.
 
     A tied parameter (nanoGPT's ``lm_head.weight`` is ``transformer.wte.weight``) is tracked once
-    under its first name; every other name it has goes into the row's ``aliases`` (issue 13)."""
+    under its first name; every other name it has goes into the row's ``aliases``."""
     params: list[torch.Tensor] = []
     rows: list[dict[str, Any]] = []
     index: dict[int, int] = {}
@@ -174,7 +174,7 @@ def resolve_path(path: Optional[str], name: Optional[str], rank: int, world_size
     - no ``path``: ``runs/<name or timestamp>.sqlite``, numbered (``-2``...) if that file exists;
     - ``{rank}`` is filled in; under several ranks, a path that already names this rank is used as
       given (:func:`names_rank`) and a path shared by every rank gets ``.rank<N>`` before its suffix;
-    - an explicit path that exists is never redirected (issue 13): :class:`RunExistsError` unless
+    - an explicit path that exists is never redirected: :class:`RunExistsError` unless
       ``overwrite=True``, which removes the old file first.
     """
     explicit = path is not None

@@ -1,7 +1,7 @@
 """Damaged run files: one place that turns any failure while reading a bad file into one RunError line.
 
 A run file is a post-mortem people copy between machines and keep after crashes, so readers meet
-truncated files, flipped bits and zeroed pages (issue 11). SQLite checks the header when a file is
+truncated files, flipped bits and zeroed pages. SQLite checks the header when a file is
 opened but finds a damaged page only when a query reads it, and a flipped type byte can hand a reader
 text where it expects a number. Instead of a try/except in every caller, every public reader goes
 through :func:`guard` (the :func:`reads` decorator, or :func:`ampwatch.store.reader.connect`): when reading
@@ -65,9 +65,9 @@ def read_only_uri(path: Path) -> str:
     return uri
 
 
-def open_read_only(path: Path) -> sqlite3.Connection:
+def open_read_only(path: Path, factory: type = sqlite3.Connection) -> sqlite3.Connection:
     """A connection that cannot write ``path``, decoding damaged text instead of raising."""
-    conn = sqlite3.connect(read_only_uri(path), uri=True, check_same_thread=False)
+    conn = sqlite3.connect(read_only_uri(path), uri=True, check_same_thread=False, factory=factory)
     conn.text_factory = decode_text
     return conn
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
 import pandas as pd
 
 from .guard import guard, open_read_only, reads
@@ -46,10 +47,16 @@ def connect(path: Any) -> Iterator[sqlite3.Connection]:
     """A read-only connection to a checked run file (``mode=ro``: this process cannot write it).
 
     Whatever fails inside the ``with`` block on a damaged file becomes one RunError line
-    (:func:`ampwatch.store.guard.guard`); text that is not UTF-8 reads with U+FFFD instead of raising."""
-    p = check_run_file(path)
+    (:func:`ampwatch.store.guard.guard`); text that is not UTF-8 reads with U+FFFD instead of raising.
+    For a whole run (schema and run row checked too) use :func:`open_run`."""
+    with _connected(check_run_file(path)) as conn:
+        yield conn
+
+
+@contextmanager
+def _connected(p: Path, factory: type = sqlite3.Connection) -> Iterator[Any]:
     try:
-        conn = open_read_only(p)
+        conn = open_read_only(p, factory)
     except sqlite3.Error as exc:
         raise RunError(f"cannot open {str(p)!r} read-only: {exc}") from None
     try:
@@ -57,6 +64,33 @@ def connect(path: Any) -> Iterator[sqlite3.Connection]:
             yield conn
     finally:
         conn.close()
+
+
+class RunConnection(sqlite3.Connection):
+    """A read-only connection to a checked ampwatch run, from :func:`open_run`: ``path`` (the
+    checked file) and ``run_row`` (its run row as stored, read once)."""
+    path: Path
+    run_row: dict[str, Any]
+
+
+@contextmanager
+def open_run(path: Any) -> Iterator[RunConnection]:
+    """The one way to open a run: the path checked once, a read-only connection, the schema checked
+    once, the run row read once. Anything else raises :class:`RunError` with one line.
+
+    >>> with open_run("runs/exp1.sqlite") as conn:
+    ...     conn.run_row["name"], conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+    """
+    p = check_run_file(path)
+    with _connected(p, RunConnection) as conn:
+        check_schema(conn, p)
+        cur = conn.execute("SELECT * FROM run WHERE id = 1")
+        row = cur.fetchone()
+        if row is None:
+            raise RunError(f"{str(p)!r} has no run row: it is not a complete ampwatch run")
+        conn.path = p
+        conn.run_row = dict(zip([d[0] for d in cur.description], row))
+        yield conn
 
 
 def check_schema(conn: sqlite3.Connection, p: Path) -> None:
@@ -97,19 +131,37 @@ def effective_status(row: dict[str, Any], now: Optional[float] = None) -> str:
 
 
 
+def decode_nan_mask(df: pd.DataFrame, bits: dict[str, int], *, mask: Any = None, flags: Any = (),
+                    drop: bool = True) -> pd.DataFrame:
+    """Put back the NaNs that SQLite stored as NULL: where a row's ``nan_mask`` has a column's bit
+    (:data:`~ampwatch.store.schema.STEP_NAN_BITS`, ``LAYER_NAN_BITS``) that column was NaN; a NULL
+    without the bit was not measured (also NaN in pandas). The columns become floats.
+
+    :param mask: the masks when they are not the frame's ``nan_mask`` column.
+    :param flags: columns that also get a boolean ``<col>_nan`` (NaN, not merely unmeasured).
+    :param drop: drop the ``nan_mask`` column afterwards.
+    """
+    raw = df["nan_mask"].to_numpy() if mask is None else mask
+    m = np.nan_to_num(np.asarray(raw, dtype=float)).astype(np.int64)
+    for col, bit in bits.items():
+        hit = (m & bit) != 0
+        df[col] = df[col].astype(float).where(~hit, np.nan)
+        if col in flags:
+            df[f"{col}_nan"] = hit
+    return df.drop(columns=["nan_mask"]) if drop and "nan_mask" in df.columns else df
+
+
 def _steps(df: pd.DataFrame) -> pd.DataFrame:
-    for col, bit in STEP_NAN_BITS.items():
-        df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
+    df = decode_nan_mask(df, STEP_NAN_BITS)
     df["loss_scale"] = df["loss_scale"].astype(float)
     df["skipped"] = df["skipped"].astype(bool)
-    return df.drop(columns=["nan_mask"])
+    return df
 
 
 def _layers(df: pd.DataFrame) -> pd.DataFrame:
-    for col, bit in LAYER_NAN_BITS.items():
-        df[col] = df[col].astype(float).where((df["nan_mask"] & bit) == 0, float("nan"))
+    df = decode_nan_mask(df, LAYER_NAN_BITS)
     df["grad_zero_frac"] = df["grad_zero_frac"].astype(float)
-    return df.drop(columns=["nan_mask"])
+    return df
 
 
 def _modules(df: pd.DataFrame) -> pd.DataFrame:
@@ -122,11 +174,12 @@ def _events(df: pd.DataFrame) -> pd.DataFrame:
     df["origin"] = df["origin"].astype(bool)
     df["amax"] = df["amax"].astype(float)
     df["micro_batch"] = df["micro_batch"].astype("Int64")  # NULL (per-step events, old files) reads <NA>
-    # SQLite keeps NaN as NULL: fp32_nan tells a NaN recompute from "not recomputed" (None).
-    nan = df.pop("fp32_nan").fillna(0).astype(int).to_numpy() == 1
-    df["fp32_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
-                                 for n, v in zip(nan, df["fp32_amax"].astype(object))],
-                                index=df.index, dtype=object)
+    # SQLite keeps NaN as NULL: fp32_nan/lowp_nan tell a NaN recompute from "not recomputed" (None).
+    for col in ("fp32", "lowp"):
+        nan = df.pop(f"{col}_nan").fillna(0).astype(int).to_numpy() == 1
+        df[f"{col}_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
+                                       for n, v in zip(nan, df[f"{col}_amax"].astype(object))],
+                                      index=df.index, dtype=object)
     df["flows_into"] = df["flows_into"].astype(object).where(df["flows_into"].notna(), None)
     return df
 
@@ -144,14 +197,8 @@ class Run:
     """
 
     def __init__(self, path: Any) -> None:
-        self.path = check_run_file(path)
-        with connect(self.path) as conn:
-            check_schema(conn, self.path)
-            conn.row_factory = sqlite3.Row
-            row = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
-        if row is None:
-            raise RunError(f"{str(self.path)!r} has no run row: it is not a complete ampwatch run")
-        self._row = dict(row)
+        with open_run(path) as conn:
+            self.path, self._row = conn.path, conn.run_row
         self._cache: dict[str, pd.DataFrame] = {}
 
     @property
@@ -167,7 +214,7 @@ class Run:
         info["status"] = effective_status(row)
         info["scaler_enabled"] = bool(row.get("scaler_enabled"))
         info["localize"] = bool(row.get("localize"))
-        # Runs before schema 4 (issue 13) stored the mean of the values scaler.scale() saw, and
+        # Runs before schema 4 stored the mean of the values scaler.scale() saw, and
         # read as written: a NULL definition says so.
         info["loss_definition"] = row.get("loss_definition") or "scaled-mean"
         info.setdefault("clip_max_norm", None)
@@ -217,12 +264,11 @@ class Run:
         ``fp32_amax`` (forward origins): the max |output| of the module recomputed in fp32, as float
         NaN/inf where the recompute gave them and None where none was done (files written before
         schema 3 read as None); ``flows_into``: for an origin in a container's own code, the child
-        the non-finite value went into (else None)."""
+        the non-finite value went into (else None); ``lowp_amax`` (forward origins whose fp32
+        recompute was finite, schema 5): the max |output| of the module re-run in the dtypes and
+        autocast state of its call, float NaN/inf or None like ``fp32_amax``."""
         with guard(self.path), connect(self.path) as conn:
-            cols = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
-        extra = ", micro_batch" if "micro_batch" in cols else ", NULL AS micro_batch"
-        extra += ", fp32_amax, fp32_nan, flows_into" if "fp32_amax" in cols else \
-            ", NULL AS fp32_amax, NULL AS fp32_nan, NULL AS flows_into"
+            extra = event_columns(conn)
         df = self._table("events", f"SELECT step, phase, module, kind, count, amax, dtype, origin{extra}"
                                    f" FROM events ORDER BY step, origin DESC, id", _events)
         others = self.aliases()
@@ -233,10 +279,7 @@ class Run:
         """Every name of a tied parameter or shared module -> its other names (empty for older runs)."""
         if "aliases" not in self._cache:
             with guard(self.path), connect(self.path) as conn:
-                cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
-                rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
-                    if "aliases" in cols else []
-            self._cache["aliases"] = alias_map(rows)  # type: ignore[assignment]
+                self._cache["aliases"] = aliases_in(conn)  # type: ignore[assignment]
         return self._cache["aliases"]  # type: ignore[return-value]
 
     @property
@@ -265,8 +308,7 @@ CLIP_CONFIG_KEYS = ("max_grad_norm", "grad_clip", "gradient_clip_val", "clip_gra
 
 
 def clip_threshold(info: dict[str, Any]) -> Optional[float]:
-    """The run's clip ``max_norm``: as observed in the ``clip_grad_norm_`` call (``clip_max_norm``,
-    issue 13), else the first positive number under a known config key, else None."""
+    """The run's clip ``max_norm``: as observed in the ``clip_grad_norm_`` call (``clip_max_norm``), else the first positive number under a known config key, else None."""
     observed = info.get("clip_max_norm")
     if isinstance(observed, (int, float)) and observed > 0:
         return float(observed)
@@ -276,6 +318,27 @@ def clip_threshold(info: dict[str, Any]) -> Optional[float]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return float(value)
     return None
+
+
+# Event columns added after the first schema: older files lack them, and readers select NULL in
+# their place (or leave them out).
+EVENT_COLUMNS_ADDED = ("micro_batch", "fp32_amax", "fp32_nan", "flows_into", "lowp_amax", "lowp_nan")
+
+
+def event_columns(conn: sqlite3.Connection, names: tuple = EVENT_COLUMNS_ADDED, missing_as_null: bool = True) -> str:
+    """``", col, ..."`` to append to an events SELECT: each of ``names`` the file has, and for one it
+    lacks ``NULL AS col`` (or nothing, with ``missing_as_null=False``)."""
+    have = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
+    return "".join(f", {c}" if c in have else (f", NULL AS {c}" if missing_as_null else "") for c in names)
+
+
+def aliases_in(conn: sqlite3.Connection) -> dict[str, list[str]]:
+    """Every name of a tied parameter or shared module -> its other names ({} for runs recorded
+    before aliases were, schema < 3)."""
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
+    rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
+        if "aliases" in cols else []
+    return alias_map(rows)
 
 
 def alias_map(rows: list[tuple[str, Optional[str]]]) -> dict[str, list[str]]:

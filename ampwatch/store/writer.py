@@ -38,7 +38,7 @@ _INSERTS = {
               " grad_nonfinite, grad_zero_frac, nan_mask) VALUES (?,?,?,?,?,?,?,?)",
     "modules": "INSERT OR REPLACE INTO modules (module_id, phase, step, amax, nonfinite) VALUES (?,?,?,?,?)",
     "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch,"
-              " fp32_amax, fp32_nan, flows_into) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+              " fp32_amax, fp32_nan, flows_into, lowp_amax, lowp_nan) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
     "metrics": "INSERT OR REPLACE INTO metrics (key, step, value) VALUES (?,?,?)",
 }
 
@@ -205,7 +205,7 @@ class RunWriter:
 def _checkpoint(conn: sqlite3.Connection) -> None:
     """Copy what the WAL holds into the run file itself, as far as readers allow, without waiting
     for them (PASSIVE). A run file copied while training goes on, without its ``-wal`` beside it
-    (the README's "copy it, open it"), then holds every step up to the last checkpoint instead of
+    (docs/reliability.md: "copy it, open it"), then holds every step up to the last checkpoint instead of
     none: SQLite folds the WAL in by itself only every 1,000 pages, which a small run never fills."""
     try:
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
