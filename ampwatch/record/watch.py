@@ -100,6 +100,7 @@ class Watch:
         self._reads_free = torch_access.reads_are_free(self._device)  # fixed for the run: asked once
         self._scale_reads = torch_access.ScaleReads()  # the scale as a float, read again only when it changed
         self._fused = torch_access.steps_inside_kernel(self.optimizer)
+        self._fused_inv_scale: Any = None  # a fused step's 1/scale, for the detail of a skipped step
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
         self.step = 0
@@ -143,7 +144,7 @@ class Watch:
                 from .recompute import InputKeeper
                 self.observer.keeper = InputKeeper(self.observer)
             if self.options["replay"] and replay.possible(_uncompiled(self.model), self._params, self.scaler,
-                                                          self._fused, self._reads_free):
+                                                          self._reads_free):
                 self.replayer = replay.Replayer(_uncompiled(self.model), self._device)
         shared = module_aliases(_uncompiled(self.model)) if module_names else {}
         tensors = list(names) + [
@@ -306,15 +307,26 @@ class Watch:
                                    "scaler.step() was called again before scaler.update()")
             self.end_step(None, None)
         self.state.scaler_stepped = True
+        self._fused_inv_scale = None
         if (self._fused and torch_access.scaler_enabled(self.scaler)
                 and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer)):
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
             inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
             if inv_scale is not None:
+                self._fused_inv_scale = inv_scale
                 self.grads.measure(self._detail_step(), inv_scale=inv_scale)
 
     def after_scaler_step(self) -> None:
         skipped = torch_access.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
+        if self._fused and self.replayer is not None and not self.observer.observing:
+            # sync point, once per step: a fused optimizer skips inside its kernel, so only the
+            # scaler's inf flag tells the host (a non-fused GradScaler loop pays this read in step())
+            flag = torch_access.found_inf(self.scaler, self.optimizer)
+            if flag is not None and bool(flag.item()):
+                self.grads.measure_detail(None, inv_scale=self._fused_inv_scale)
+                self._replay()
+            self._fp32_check(False)
+            return
         if skipped:
             # known without a sync: GradScaler did not call optimizer.step(). A bad step: pay for counts.
             self.grads.measure(self._detail_step())
