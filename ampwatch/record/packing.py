@@ -38,6 +38,7 @@ class StepPack:
     exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
     host_stats: bool = False           # the module stats are hoststats.HostStats' doubles (free reads)
     scalars: Optional[list[float]] = None  # free reads: the scalars as read (then flat holds only the stats)
+    fp8: Any = None                    # fp8.Fp8Values of a layer_every step of a run with fp8 layers
 
 
 @dataclass
@@ -47,13 +48,17 @@ class Rows:
     modules: list[tuple] = field(default_factory=list)
     events: list[tuple] = field(default_factory=list)
     metrics: list[tuple] = field(default_factory=list)
+    fp8_layers: list[tuple] = field(default_factory=list)
 
     def extend(self, other: "Rows") -> None:
-        for name in ("steps", "layers", "modules", "events", "metrics"):
+        for name in _TABLES:
             getattr(self, name).extend(getattr(other, name))
 
     def count(self) -> int:
-        return sum(len(getattr(self, n)) for n in ("steps", "layers", "modules", "events", "metrics"))
+        return sum(len(getattr(self, n)) for n in _TABLES)
+
+
+_TABLES = ("steps", "layers", "modules", "events", "metrics", "fp8_layers")
 
 
 def _nullable(x: Optional[float]) -> Optional[float]:
@@ -139,6 +144,8 @@ class PackReader:
                                None, None, None, None))
         if pack.loc is not None:
             self._localization_rows(pack, analysis, out)
+        if pack.fp8 is not None:
+            out.fp8_layers.extend(pack.fp8.rows())
         return out
 
     def _grad_name(self, analysis: "_Analysis", pid: int) -> str:
