@@ -166,21 +166,22 @@ def cast_stats(x: torch.Tensor, cast: Cast) -> torch.Tensor:
     x = cast.prepare(x.detach())
     scale = cast.scale(x)
     fmax = torch.finfo(cast.dtype).max
-    scaled = x.float() * scale
-    q = scaled.clamp(-fmax, fmax).to(cast.dtype).float()
-    a = x.abs().float().flatten()
-    nonzero = x != 0
-    flushed = (nonzero & (q == 0)).sum()
+    xf = x.float()
+    scaled = xf * scale
+    back = scaled.clamp(-fmax, fmax).to(cast.dtype).float()  # the fp8 values, as torchao casts them
+    a = xf.abs().flatten()
+    nonzero = torch.count_nonzero(a)
+    flushed = nonzero - torch.count_nonzero(back)  # a zero stays zero: the rest of the zeros were flushed
     # beyond the fp32 rounding of scale * amax (dynamic scaling puts the amax at the maximum itself)
-    saturated = (scaled.abs() > fmax * (1 + 1e-6)).sum()
+    saturated = torch.count_nonzero(scaled.abs_() > fmax * (1 + 1e-6))
     k = max(1, int(0.99 * a.numel()))  # kthvalue: no RNG, any size (quantile refuses > 16M elements)
     p99 = a.kthvalue(k).values if a.numel() else a.new_zeros(())
-    err = torch.linalg.vector_norm(q / scale - x.float()) / torch.linalg.vector_norm(x.float())
-    finite = torch.isfinite(a)
+    err = torch.linalg.vector_norm(back.div_(scale).sub_(xf)) / torch.linalg.vector_norm(xf)
     amax = a.max() if a.numel() else a.new_zeros(())
-    return torch.stack([amax.double(), scale.min().double(), p99.double(), nonzero.sum().double(),
-                        flushed.double(), saturated.double(), x.new_tensor(a.numel(), dtype=torch.float64),
-                        (~finite).sum().double(), err.double()])
+    nonfinite = a.numel() - torch.count_nonzero(torch.isfinite(a))
+    return torch.stack([amax.double(), scale.min().double(), p99.double(), nonzero.double(),
+                        flushed.double(), saturated.double(), a.new_tensor(a.numel(), dtype=torch.float64),
+                        nonfinite.double(), err.double()])
 
 
 @torch.no_grad()
