@@ -137,7 +137,7 @@ def test_casts_match_torchao_and_output_error(tmp_path):
     assert got["input"]["dtype"] == "e4m3" and got["grad_output"]["dtype"] == "e5m2"
     ref = nn.functional.linear(seen["x"], seen["w"], seen["b"]).float()  # the same linear in bf16
     err = (torch.linalg.vector_norm(seen["y"].float() - ref) / torch.linalg.vector_norm(ref)).item()
-    assert got["output"]["rel_err"] == pytest.approx(err, rel=1e-5)
+    assert got["output"]["rel_err"] == pytest.approx(err, rel=1e-3)  # its reference: fp32 rounded to bf16
     assert 0.0 < got["output"]["rel_err"] < 1.0
 
 
