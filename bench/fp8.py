@@ -1,8 +1,8 @@
 """What recording an fp8 model's casts costs: a healthy step and a ``layer_every`` step.
 
 A bf16 MLP converted with torchao's ``convert_to_float8_training`` (tensorwise), AdamW, trained
-on the CPU (one torch thread) through ``torch._scaled_mm``. Variants run interleaved, each round
-a whole run per variant; the median step time of each run, then the median over rounds:
+on the CPU (one torch thread) through ``torch._scaled_mm``. Variants run interleaved (order rotated
+each round), each round a whole run per variant; the median step time of each run, then the median over rounds:
 
     plain         no ampwatch
     watch         ampwatch attached, fp8 recognisers off (what the run cost before fp8 support)
@@ -117,8 +117,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for label, every in (("healthy steps (layer_every > steps)", 10 ** 9), ("every step measured (layer_every=1)", 1)):
             medians: dict[str, list[float]] = {v: [] for v in variants}
-            for _ in range(args.rounds):
-                for v in variants:
+            for r in range(args.rounds):
+                for v in variants[r % 3:] + variants[:r % 3]:  # rotated: no variant always runs first
                     times = run(args.width, args.steps, v, every, Path(d))[3:]  # past step 0 and warm-up
                     medians[v].append(statistics.median(times))
             ms = {v: 1e3 * statistics.median(m) for v, m in medians.items()}

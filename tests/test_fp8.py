@@ -134,6 +134,8 @@ def test_casts_match_torchao_and_output_error(tmp_path):
         for key, value in want.items():
             assert got[role][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (role, key)
     assert got["input"]["flush_frac"] > 0.5  # the outlier: most of fc2's input gone
+    a = seen["x"].float().abs().flatten()  # 8,192 elements: p99 exact (sampled above 16,384)
+    assert got["input"]["p99"] == a.kthvalue(int(0.99 * a.numel())).values.item()
     assert got["input"]["dtype"] == "e4m3" and got["grad_output"]["dtype"] == "e5m2"
     ref = nn.functional.linear(seen["x"], seen["w"], seen["b"]).float()  # the same linear in bf16
     err = (torch.linalg.vector_norm(seen["y"].float() - ref) / torch.linalg.vector_norm(ref)).item()

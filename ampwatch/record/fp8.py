@@ -30,6 +30,7 @@ import torch
 # One row per (layer, cast) or (layer, "output"): the values below, in this order.
 STATS = ("amax", "scale", "p99", "nonzero", "flushed", "saturated", "numel", "nonfinite", "rel_err")
 OUTPUT = "output"
+P99_SAMPLE = 16384
 
 
 @dataclass(frozen=True)
@@ -176,14 +177,23 @@ def cast_stats(x: torch.Tensor, cast: Cast) -> torch.Tensor:
     flushed = nonzero - torch.count_nonzero(back)  # a zero stays zero: the rest of the zeros were flushed
     # beyond the fp32 rounding of scale * amax (dynamic scaling puts the amax at the maximum itself)
     saturated = torch.count_nonzero(scaled.abs_() > fmax * (1 + 1e-6))
-    k = max(1, int(0.99 * a.numel()))  # kthvalue: no RNG, any size (quantile refuses > 16M elements)
-    p99 = a.kthvalue(k).values if a.numel() else a.new_zeros(())
+    p99 = _p99(a)
     err = torch.linalg.vector_norm(back.div_(scale).sub_(xf)) / torch.linalg.vector_norm(xf)
     amax = a.max() if a.numel() else a.new_zeros(())
     nonfinite = a.numel() - torch.count_nonzero(torch.isfinite(a))
     return torch.stack([amax.double(), scale.min().double(), p99.double(), nonzero.double(),
                         flushed.double(), saturated.double(), a.new_tensor(a.numel(), dtype=torch.float64),
                         nonfinite.double(), err.double()])
+
+
+def _p99(a: torch.Tensor) -> torch.Tensor:
+    """99th percentile of ``a`` (flat), from at most P99_SAMPLE evenly spaced elements: exact for
+    smaller tensors, an estimate for larger ones (kthvalue on all of a 256k weight costs 8 ms on one
+    CPU thread, on 16k elements 0.1 ms). kthvalue: no RNG, and quantile refuses > 16M elements."""
+    if not a.numel():
+        return a.new_zeros(())
+    sample = a[::-(-a.numel() // P99_SAMPLE)]
+    return sample.kthvalue(max(1, int(0.99 * sample.numel()))).values
 
 
 @torch.no_grad()
