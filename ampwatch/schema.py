@@ -175,7 +175,7 @@ def m005_fp8(db: Database) -> None:
             p99 REAL,                        -- 99th percentile of |value|
             flush_frac REAL,                 -- nonzero values the cast makes 0, over nonzero values
             sat_frac REAL,                   -- values beyond the fp8 maximum, over all values
-            rel_err REAL,                    -- cast: ||dequantized - x|| / ||x||; output: fp8 vs high precision
+            rel_err REAL,                    -- output only: ||fp8 output - high precision|| / ||high precision||
             numel INTEGER,
             nonfinite INTEGER,               -- NaN/inf elements in the tensor
             PRIMARY KEY (step, module, role)

@@ -164,26 +164,30 @@ def cast_stats(x: torch.Tensor, cast: Cast) -> torch.Tensor:
 
     ``scale``: the smallest of the recipe's scales (rowwise: the row holding the amax), i.e. the one
     that the amax sets; ``flushed``: nonzero values that become 0 in fp8; ``saturated``: values
-    whose scaled magnitude exceeds the fp8 maximum (clamped to it); ``rel_err``: ||dequantized - x||
-    / ||x||, dequantized = fp8 value / scale, as the matmul sees it."""
+    whose scaled magnitude exceeds the fp8 maximum (clamped to it); ``rel_err``: NaN (the output's
+    error is measured instead: a cast's relative rounding error does not depend on its scale)."""
     x = cast.prepare(x.detach())
     scale = cast.scale(x)
     fmax = torch.finfo(cast.dtype).max
     xf = x.float()
-    scaled = xf * scale
-    back = scaled.clamp(-fmax, fmax).to(cast.dtype).float()  # the fp8 values, as torchao casts them
-    a = xf.abs().flatten()
-    nonzero = torch.count_nonzero(a)
-    flushed = nonzero - torch.count_nonzero(back)  # a zero stays zero: the rest of the zeros were flushed
+    scaled = (xf * scale).abs_()
+    a = xf.abs_().flatten()
+    numel = a.numel()
+    zeros = numel - torch.count_nonzero(a)
+    # round to nearest even flushes exactly what lies at or below half the smallest subnormal: the
+    # count torchao's cast gives, without converting to fp8 and back (8 ms for a 256k tensor on a CPU)
+    flushed = torch.count_nonzero(scaled <= _smallest_subnormal(cast.dtype) / 2) - zeros
     # beyond the fp32 rounding of scale * amax (dynamic scaling puts the amax at the maximum itself)
-    saturated = torch.count_nonzero(scaled.abs_() > fmax * (1 + 1e-6))
-    p99 = _p99(a)
-    err = torch.linalg.vector_norm(back.div_(scale).sub_(xf)) / torch.linalg.vector_norm(xf)
-    amax = a.max() if a.numel() else a.new_zeros(())
-    nonfinite = a.numel() - torch.count_nonzero(torch.isfinite(a))
-    return torch.stack([amax.double(), scale.min().double(), p99.double(), nonzero.double(),
-                        flushed.double(), saturated.double(), a.new_tensor(a.numel(), dtype=torch.float64),
-                        nonfinite.double(), err.double()])
+    saturated = torch.count_nonzero(scaled > fmax * (1 + 1e-6))
+    amax = a.max() if numel else a.new_zeros(())
+    nonfinite = numel - torch.count_nonzero(torch.isfinite(a))
+    return torch.stack([amax.double(), scale.min().double(), _p99(a).double(), (numel - zeros).double(),
+                        flushed.double(), saturated.double(), a.new_tensor(numel, dtype=torch.float64),
+                        nonfinite.double(), a.new_tensor(float("nan"), dtype=torch.float64)])
+
+
+def _smallest_subnormal(dtype: torch.dtype) -> float:
+    return torch.tensor(1, dtype=torch.uint8).view(dtype).item()  # the bit pattern 0x01
 
 
 def _p99(a: torch.Tensor) -> torch.Tensor:
