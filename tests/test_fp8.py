@@ -3,6 +3,7 @@ cast's loss against torchao's own casts, the doctor's fp8 rules, localization, t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import sqlite3
 from collections import OrderedDict
 
@@ -257,3 +258,41 @@ def test_output_error_rule_on_hand_built_run(tmp_path):
     assert "fp8-output-error" in found and "fc2" in found["fp8-output-error"].title
     assert "'fc2'" in found["fp8-output-error"].advice and "'fc1'" not in found["fp8-output-error"].advice
     assert "fp8-cast-loss" not in found
+
+
+def test_dashboard_fp8_grid_and_page(tmp_path, restore_runs_env):
+    import base64
+
+    import numpy as np
+    import plotly.io
+    from streamlit.testing.v1 import AppTest
+
+    from ampwatch.dashboard.fp8 import fp8_grid, fp8_summary, has_fp8_layers
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    train(mlp(), 8, folder / "fp8.sqlite", outlier_from=4)
+    path = folder / "fp8.sqlite"
+    assert has_fp8_layers(path)
+    assert not has_fp8_layers(Path(__file__).parent.parent / "sample_runs" / "healthy_fp16.sqlite")
+    grid = fp8_grid(path, "flush_frac")
+    truth = {(r["module"] + " " + r["role"], r["step"]): r["flush_frac"]
+             for r in rows(path, "SELECT * FROM fp8_layers WHERE role != 'output'")}
+    assert list(grid.bucket_starts) == [0, 2, 4, 6] and grid.width == 1
+    for (name, step), value in truth.items():
+        assert grid.values[grid.names.index(name), list(grid.bucket_starts).index(step)] == value
+    table = fp8_summary(path)
+    assert table.loc[(table["module"] == "fc2") & (table["role"] == "input"), "max_flush_frac"].item() > 0.5
+
+    import os
+    os.environ["AMPWATCH_RUNS"] = str(folder)
+    at = AppTest.from_file(str(Path(__file__).parent.parent / "app" / "streamlit_app.py"), default_timeout=60)
+    at.query_params["run"] = "fp8.sqlite"
+    at.run()
+    at.switch_page("app_pages/fp8.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    fig = plotly.io.from_json(at.get("plotly_chart")[0].proto.spec)
+    assert "fc2 input" in list(fig.data[0].y)
+    z = fig.data[0].z  # Plotly's JSON carries numpy arrays as {'dtype', 'bdata'} (base64)
+    z = np.frombuffer(base64.b64decode(z["bdata"]), dtype=np.dtype(z["dtype"])) if isinstance(z, dict) else \
+        np.array(z, dtype=float)
+    assert np.nanmax(z) == pytest.approx(max(truth.values()))

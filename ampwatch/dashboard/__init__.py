@@ -1,0 +1,1 @@
+"""Query helpers and figures for the dashboard app."""
