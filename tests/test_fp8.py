@@ -188,7 +188,7 @@ def test_healthy_fp8_runs_have_no_warning(tmp_path):
                                            "WHERE role != 'output'")]
     assert flush and max(flush) < 0.001
 
-    from ampwatch.demo import TinyGPT, batches
+    from ampwatch.samples.models import TinyGPT, batches
     torch.manual_seed(0)
     gpt = convert_to_float8_training(TinyGPT(vocab=64, d=64, layers=2, heads=4, seq=32).to(torch.bfloat16))
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
@@ -240,7 +240,7 @@ def test_nonfinite_origin_in_fp8_run(tmp_path, fp8):
 
 def test_output_error_rule_on_hand_built_run(tmp_path):
     """The peers rule from rows alone: one layer 20% off while the others sit at 3%."""
-    from ampwatch.schema import create
+    from ampwatch.store.schema import create
     from sqlite_utils import Database
     path = tmp_path / "h.sqlite"
     train(mlp(), 1, path)

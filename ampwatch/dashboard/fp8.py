@@ -1,7 +1,7 @@
 """The dashboard's FP8 data: per fp8 layer and cast, over recorded steps (``fp8_layers``, docs/fp8.md).
 
 Read-only SQL over one run file, plain pandas/numpy out. The heatmap reuses the Layers page's
-:class:`~ampwatch.layerdata.LayerGrid` (and so its figure): one row per layer and cast, one column
+:class:`~ampwatch.dashboard.layerdata.LayerGrid` (and so its figure): one row per layer and cast, one column
 per recorded step, or the max over a bucket of steps when there are more than ``FP8_BUCKETS``.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from ..dashdata import open_run
-from ..layerdata import LayerGrid
+from ..store.reader import open_run
+from .layerdata import LayerGrid
 
 # metric -> (rows it is recorded on, whether a log colour scale suits it)
 FP8_METRICS = {"flush_frac": ("casts", False), "amax": ("casts", True), "rel_err": ("output", False),
@@ -29,10 +29,7 @@ def _has_table(conn: sqlite3.Connection) -> bool:
 def has_fp8_layers(path: Any) -> bool:
     """Whether the run recorded fp8 layers (runs of older schemas: False)."""
     with open_run(path) as conn:
-        if not _has_table(conn):
-            return False
-        row = conn.execute("SELECT fp8_layers FROM run WHERE id = 1").fetchone()
-        return bool(row and row[0])
+        return bool(conn.run_row.get("fp8_layers"))
 
 
 def fp8_grid(path: Any, metric: str, start: Optional[int] = None, end: Optional[int] = None) -> LayerGrid:

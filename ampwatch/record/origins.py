@@ -1,6 +1,6 @@
 """Which module is the origin of a non-finite value: pure Python over one step's slot values.
 
-Runs in the writer thread. Input: per slot (see :mod:`.observe`) the min/max per dtype, the learned
+Runs in the writer thread. Input: per slot (see :mod:`.slots`) the min/max per dtype, the learned
 input and output aliases, the learned forward order, where reads were free exact NaN/inf counts, and on steps of
 several micro-batches the micro-batch each slot first went non-finite in.
 """
@@ -10,9 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .observe import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
-
-FORWARD, BACKWARD = "forward", "backward"
+from .slots import BACKWARD, DTYPE_NAMES, FORWARD, GIN, GOUT, IN, OUT, ROLES
 
 
 @dataclass
@@ -108,6 +106,18 @@ def _role_slots(modules: int, aliases: dict[tuple[int, int, int, int], int]) -> 
             values[m].append(slot)
             grads[m].append(slot + (GIN - IN))  # IN->GIN and OUT->GOUT are both +2
     return ins, gins, outs, gouts
+
+
+def grads_received(values: dict[int, SlotValue], aliases: dict, modules: list[int], n: int
+                   ) -> dict[int, Optional[bool]]:
+    """Per module of ``modules``: whether the gradient it received w.r.t. its output (its own slot and
+    the slots of the tensors it handed on) was non-finite; None where none was observed."""
+    _, _, _, gouts = _role_slots(n, aliases)
+    out: dict[int, Optional[bool]] = {}
+    for m in modules:
+        folded = _fold(values, gouts[m])
+        out[m] = None if folded is None else folded.bad
+    return out
 
 
 def _stat(value: SlotValue) -> ModuleStat:

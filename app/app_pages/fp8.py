@@ -2,9 +2,9 @@
 import streamlit as st
 
 import shared
-from ampwatch import figures
+from ampwatch.dashboard import figures
 from ampwatch.dashboard import fp8 as fp8data
-from ampwatch.layerdata import grid_frame
+from ampwatch.dashboard.layerdata import grid_frame
 
 LABELS = {"flush_frac": "Flushed to zero (share of nonzero values)", "amax": "amax",
           "rel_err": "fp8 output error (vs high precision)", "sat_frac": "Saturated (share)"}
