@@ -9,8 +9,8 @@ one more function in that list.
 On ``layer_every`` steps only, :class:`Fp8Recorder` registers a forward hook on each fp8 layer
 (removed when the step ends: the other steps run no hook and no op of ours). For the first call of
 each layer in such a step it measures, for each cast, the amax, the scale the recipe derives from it,
-the share of nonzero values the cast flushes to zero, the share that saturates, the cast's own
-relative error and the 99th percentile of |value| (for the outlier ratio amax / p99); for the
+the share of nonzero values the cast flushes to zero, the share that saturates and the 99th
+percentile of |value| (for the outlier ratio amax / p99); for the
 output, the relative error of the layer's fp8 output against the same linear in the layer's high
 precision dtype on the same inputs. The output gradient is measured by a hook on the output tensor,
 registered in that forward hook. Everything runs under ``torch.no_grad`` with no RNG draw and no
@@ -21,6 +21,7 @@ The values of a step stay device tensors until the step ends, then move to the h
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -143,7 +144,6 @@ def find_layers(model: torch.nn.Module) -> list[Fp8Layer]:
 
 def describe(layers: list[Fp8Layer]) -> dict[str, Any]:
     """The run row's fp8 fields: ``amp_dtype``, ``fp8_recipe``, ``fp8_casts`` (JSON), ``fp8_layers``."""
-    import json
     if not layers:
         return {}
     recipes = {layer.recipe for layer in layers}
