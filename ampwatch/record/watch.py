@@ -30,7 +30,7 @@ from .runinfo import describe_run, module_aliases, parameter_table, resolve_path
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
-from . import replay
+from . import fp8, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
@@ -106,9 +106,14 @@ class Watch:
         self.step = 0
         self.observer: Optional[ModuleObserver] = None
         self.replayer: Optional[replay.Replayer] = None
+        self.fp8: Optional[fp8.Fp8Recorder] = None
         self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
         info["loss_definition"] = "scaled-sum" if scaler is not None else "logged-mean"
+        fp8_layers = fp8.find_layers(_uncompiled(model))
+        if fp8_layers:  # an fp8 run: amp_dtype says float8, not the autocast dtype of its other ops
+            info.update(fp8.describe(fp8_layers))
+            self._amp_seen = True
         self._place(path, info)
         try:
             self._open_writer(info, names)
@@ -116,6 +121,7 @@ class Watch:
             self._fail(exc)
             return
         self._install()
+        self._watch_fp8(fp8_layers)
         _open_watches.add(self)
 
     def _place(self, path: Optional[str], info: dict) -> None:
@@ -178,6 +184,17 @@ class Watch:
             self._scaler_hooks.install()
         clipping.listen(self)
 
+    def _watch_fp8(self, layers: list) -> None:
+        if not layers:
+            return
+        if _uncompiled(self.model) is not self.model:  # hooks added per step would recompile the model
+            self.writer.put_notice(0, "fp8-not-measured", "the model is compiled: its fp8 casts are not "
+                                   "measured (attach to the model before torch.compile to measure them)")
+            return
+        self.fp8 = fp8.Fp8Recorder(layers, self.guarded)
+        if self._detail_step():
+            self.fp8.arm()
+
     def guarded(self, fn: Any) -> Any:
         """``fn`` made safe for training: an internal failure warns once and stops recording."""
         def hook(*args: Any, **kwargs: Any) -> Any:
@@ -217,6 +234,8 @@ class Watch:
             self.observer.remove()
         if self.replayer is not None:
             self.replayer.remove()
+        if self.fp8 is not None:
+            self.fp8.disarm()
 
     def _detail_step(self) -> bool:
         return self.step % self.options["layer_every"] == 0
@@ -395,10 +414,15 @@ class Watch:
         now = time.time()
         if self._trigger is not None:
             self._trigger.step_ended(bool(self.state.scale_calls or self.state.stepped))
-        self.writer.put_step(pack_step(self, scale, found, now))
+        pack = pack_step(self, scale, found, now)
+        if self.fp8 is not None and self.fp8.armed:  # a layer_every step: its fp8 values, disarmed
+            pack.fp8 = self.fp8.take(self.step)
+        self.writer.put_step(pack)
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
         self.step += 1
+        if self.fp8 is not None and self._detail_step():
+            self.fp8.arm()
         if self.replayer is not None:  # module values measured live on layer_every steps only
             self.replayer.clear()
             self.observer.set_observing(self._detail_step())
@@ -459,6 +483,8 @@ class Watch:
             self.observer.remove()
         if self.replayer is not None:
             self.replayer.remove()
+        if self.fp8 is not None:
+            self.fp8.disarm()
         writer = getattr(self, "writer", None)
         if writer is not None:
             writer.close(status, error)
