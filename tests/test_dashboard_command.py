@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ampwatch.cli import cli
+from ampwatch.cli.main import cli
 from ampwatch.dashboard import launch
 
 ROOT = Path(__file__).resolve().parent.parent
