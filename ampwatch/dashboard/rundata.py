@@ -274,7 +274,7 @@ def _with_aliases(conn: sqlite3.Connection, df: pd.DataFrame, column: str = "mod
 
 
 def _event_columns(conn: sqlite3.Connection) -> str:
-    return event_columns(conn, ("fp32_amax", "micro_batch", "flows_into"), missing_as_null=False)
+    return event_columns(conn, ("fp32_amax", "lowp_amax", "micro_batch", "flows_into"), missing_as_null=False)
 
 
 @reads

@@ -19,9 +19,10 @@ from .finding import Finding, severity_rank
 CAUSES = ("run-crashed", "nonfinite-origin", "recurring-overflow", "scale-collapse")
 # What each kind of consequence may be explained by, beyond a shared origin.
 EXPLAINED_BY = {"no-steps": ("run-crashed",), "grad-underflow": ("scale-collapse",),
-                "divergence": ("nonfinite-origin",)}
+                "divergence": ("nonfinite-origin",),
+                "scale-falling": ("nonfinite-origin", "recurring-overflow", "scale-collapse")}
 CONSEQUENCES = ("nonfinite-origin", "recurring-overflow", "scale-collapse", "divergence", "grad-underflow", "late-skips",
-                "loss-spike", "grad-norm-explosion", "no-steps")
+                "loss-spike", "grad-norm-explosion", "no-steps", "scale-falling")
 
 
 def _rank(f: Finding) -> tuple[int, int]:

@@ -2,6 +2,8 @@
 NaN/Inf was born."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pandas as pd
 
@@ -82,7 +84,7 @@ def grad_underflow(facts: Facts) -> list[Finding]:
          "collapsed first, fix that overflow (see scale-collapse)."))]
 
 
-def _leaf_modules(facts: Facts) -> set[str]:
+def leaf_modules(facts: Facts) -> set[str]:
     """Modules without children that do not compute in fp32 under autocast."""
     mods = facts.tensors[facts.tensors["kind"] == "module"]
     parents = {n.rsplit(".", 1)[0] for n in mods["name"] if "." in n}
@@ -97,7 +99,7 @@ def activation_headroom(facts: Facts) -> list[Finding]:
     limit = FP16_MAX / HEADROOM_FACTOR
     # HEADROOM_MIN_ROWS rows in a row need at least that many rows at the limit: count those in
     # SQLite, then read the forward history of just the modules that have enough.
-    reaching = facts.modules_reaching(limit, facts.healthy_end, _leaf_modules(facts))
+    reaching = facts.modules_reaching(limit, facts.healthy_end, leaf_modules(facts))
     suspects = {name for name, n in reaching.items() if n >= HEADROOM_MIN_ROWS}
     if not suspects:
         return []
@@ -151,12 +153,32 @@ def _serious_events(facts: Facts) -> pd.DataFrame:
 _PHASE_RANK = {"forward": 0, "backward": 1, "loss": 2, "param_grad": 3}
 
 
-def fp32_verdict(e: pd.Series, dtype: str) -> tuple[str, str, bool]:
-    """(evidence, advice, decided) from the fp32 recompute of a forward origin. ``decided`` is False
+def is_attention(module: str, cls: Optional[str]) -> bool:
+    """An attention module by its class or name (GPT2Attention, MultiheadAttention, ``h.1.attn``):
+    where the logits Q·Kᵀ, computed in the module's own code, are the value that overflows."""
+    last = module.rsplit(".", 1)[-1].lower()
+    return "attention" in (cls or "").lower() or last in ("attn", "attention", "self_attn", "self_attention")
+
+
+def _intermediate_advice(module: str, cls: Optional[str], dtype: str) -> str:
+    if is_attention(module, cls):
+        return (f"The attention logits (Q·Kᵀ) of {module} most likely exceed {dtype}'s range: scale them before "
+                f"the product (q and k each by d_head**-0.25) or compute them in fp32 (upcast q and k, or the "
+                f"model's option to upcast attention), use torch's scaled_dot_product_attention (attn_implementation="
+                f"\"sdpa\"), which never materialises them in {dtype}, or train with bf16 autocast")
+    return (f"Keep {module} in fp32 (torch.autocast(device_type, enabled=False) around it, its input cast by "
+            f".float()) or use bf16 autocast: a value computed inside it exceeds {dtype}'s range although its "
+            f"output does not")
+
+
+def fp32_verdict(e: pd.Series, dtype: str, cls: Optional[str] = None) -> tuple[str, str, bool]:
+    """(evidence, advice, decided) from the recompute of a forward origin. ``decided`` is False
     when there is no verdict: no recompute was done, or it did not reproduce the non-finite values
-    (finite and within ``dtype``'s largest finite value, ``DTYPE_MAX``: what acted on the call differs
-    from the recompute, or the dtype's rounding rather than its range made them); the advice is
-    then empty."""
+    (finite in fp32 within ``dtype``'s largest finite value, ``DTYPE_MAX``, and finite again when
+    re-run in the call's own dtypes, ``lowp_amax``: what acted on the call differs from the
+    recompute); the advice is then empty. Finite in fp32 but non-finite again in the call's own
+    dtypes: an intermediate value inside the module overflows (``cls``, the module's class, picks
+    the advice: attention logits or not)."""
     amax = e.get("fp32_amax")
     if e["phase"] != "forward" or amax is None:
         return "", "", False
@@ -173,6 +195,19 @@ def fp32_verdict(e: pd.Series, dtype: str) -> tuple[str, str, bool]:
                 f"{num(limit)}): {dtype}'s range is the problem",
                 f"Keep {module} in fp32 (torch.autocast(device_type, enabled=False) around it, input "
                 f"cast by .float()) or use bf16 autocast: the values are real, only {dtype} cannot hold them", True)
+    lowp = e.get("lowp_amax")
+    if lowp is not None and not (lowp == lowp and abs(lowp) != float("inf")):
+        what = "NaN" if lowp != lowp else "inf"
+        return (f"; recomputed in fp32 on the same inputs it is finite (max {num(amax)}), re-run in {dtype} on them "
+                f"it is {what} again: an intermediate inside the module overflows {dtype}"
+                + (" (in an attention module: most likely the logits Q·Kᵀ)" if is_attention(module, cls) else ""),
+                _intermediate_advice(module, cls, dtype), True)
+    if lowp is not None:
+        return (f"; recomputed on the inputs kept from its call it is finite both in fp32 (max {num(amax)}) and "
+                f"re-run in {dtype} (max {num(lowp)}): the recompute did not reproduce it (a forward hook that "
+                f"changes the module's output is not re-run, its inputs may have been replaced, or the module "
+                f"depends on state that changed since: a counter, a cache, Python state), so there is no fp32 "
+                f"verdict", "", False)
     return (f"; recomputed in fp32 on the inputs kept from its call its max |output| is only {num(amax)}, "
             f"which {dtype} holds: the recompute did not reproduce it (a forward hook that changes the "
             f"module's output is not re-run, its inputs may have been replaced, or {dtype}'s rounding rather "
@@ -198,7 +233,7 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     dtype = f", {e['dtype']}" if isinstance(e["dtype"], str) else ""
     dtype_name = e["dtype"] if isinstance(e["dtype"], str) else "float16"
     extra, advice = origin_advice(facts, module, phase, first, e["kind"], dtype_name)
-    verdict, fp32_advice, decided = fp32_verdict(e, dtype=dtype_name)
+    verdict, fp32_advice, decided = fp32_verdict(e, dtype=dtype_name, cls=facts.module_type(module))
     if fp32_advice and not extra:  # an overwritten weight is the more specific cause: its advice stays
         advice = fp32_advice
     elif verdict and not decided and not extra and "nan" not in str(e["kind"]):  # recomputed, not reproduced

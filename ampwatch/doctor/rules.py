@@ -22,6 +22,8 @@ from .origins import WEIGHT_JUMP, origin_advice, weight_jump
 from .scale import COLLAPSE_STREAK, STUCK_HEADROOM, STUCK_MIN_STEPS, scale_collapse, scale_stuck_low
 from .skips import (PROBE_RATE_WARN, SAME_ORIGIN_MIN, SKIP_MIN_COUNT, SKIP_MIN_STEPS, SKIP_RATE_ERROR,
                     SKIP_RATE_WARN, lone_skips, recurring_overflow, scale_probing, warmup_skips)
+from .replayed import step_not_reproduced
+from .trends import activation_trend, scale_falling
 from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDOW, outliers, divergence,
                       grad_norm_explosion, loss_spike)
 
@@ -29,8 +31,9 @@ from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDO
 RULES: list[Callable[[Facts], list[Finding]]] = [
     run_crashed, warmup_skips, nonfinite_origin, divergence, scale_collapse, recurring_overflow, scale_probing,
     lone_skips, scale_stuck_low,
-    grad_underflow, activation_headroom, loss_spike, grad_norm_explosion, misuse_config, misuse_clip_scaled,
-    misuse_notices,
+    grad_underflow, activation_headroom, activation_trend, scale_falling, loss_spike, grad_norm_explosion,
+    misuse_config, misuse_clip_scaled,
+    misuse_notices, step_not_reproduced,
 ]
 
 __all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "outliers",

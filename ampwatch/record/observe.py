@@ -396,6 +396,7 @@ class ModuleObserver:
         self.root_calls = 0          # forward calls of the root module: the step's micro-batches
         self._first_used = False     # ``_first`` holds marks of this step
         self.fp32_amax: dict[int, Optional[float]] = {}  # the counterfactual's answer (module -> amax)
+        self.lowp_amax: dict[int, Optional[float]] = {}  # the same, re-run in the call's own dtypes
         self.fp32_checked = False
 
     def _settle(self) -> None:
@@ -416,7 +417,8 @@ class ModuleObserver:
                 # where reads are free, a step whose queue was dropped unreduced has empty stats: the
                 # writer skips decoding them (most CPU steps)
                 "observed": (bool(self._calls) or self._wrote) and (self._host is None or self._host.touched),
-                "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax}
+                "micro_batches": self.root_calls, "first": self._first_used, "fp32": self.fp32_amax,
+                "lowp": self.lowp_amax}
         if self.keeper is not None:
             self.keeper.clear()  # the step's kept inputs are released here
         # re-learn only when the structure visibly changed (the number of module calls)
@@ -614,8 +616,12 @@ class ModuleObserver:
         if not (self.active and module.training):
             return
         if _compiling():
-            tensors = _inputs(args, kwargs)
-            self._observe_traced(tensors, [ROLES * index + IN] * len(tensors))
+            # Dynamo guards on ``observing``: a step that observes nothing runs a graph with no
+            # ampwatch op at all, the one it would run without ampwatch (the other graph is
+            # compiled once, on the first observed step)
+            if self.observing:
+                tensors = _inputs(args, kwargs)
+                self._observe_traced(tensors, [ROLES * index + IN] * len(tensors))
             return
         if not self.observing:  # hooks kept for a compiled graph, run eagerly around a break
             return
@@ -651,9 +657,10 @@ class ModuleObserver:
         if not (self.active and module.training):
             return
         if _compiling():
-            ins = [] if index in self._pre else _inputs(args, kwargs)
-            outs = tensor_list(output)
-            self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
+            if self.observing:  # as in _before: unobserved steps trace no ampwatch op
+                ins = [] if index in self._pre else _inputs(args, kwargs)
+                outs = tensor_list(output)
+                self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
             return
         if not self.observing:
             return

@@ -108,6 +108,18 @@ def _role_slots(modules: int, aliases: dict[tuple[int, int, int, int], int]) -> 
     return ins, gins, outs, gouts
 
 
+def grads_received(values: dict[int, SlotValue], aliases: dict, modules: list[int], n: int
+                   ) -> dict[int, Optional[bool]]:
+    """Per module of ``modules``: whether the gradient it received w.r.t. its output (its own slot and
+    the slots of the tensors it handed on) was non-finite; None where none was observed."""
+    _, _, _, gouts = _role_slots(n, aliases)
+    out: dict[int, Optional[bool]] = {}
+    for m in modules:
+        folded = _fold(values, gouts[m])
+        out[m] = None if folded is None else folded.bad
+    return out
+
+
 def _stat(value: SlotValue) -> ModuleStat:
     return ModuleStat(amax=value.amax, nonfinite=value.bad, nan=value.nan, inf=value.inf,
                       dtype=value.dtype, kind_nan=math.isnan(value.lo) or math.isnan(value.hi),

@@ -120,25 +120,35 @@ class PackReader:
             else:
                 count, kind = int(nan + inf), _kind(nan, inf, n)
             out.events.append((pack.step, "param_grad", self._grad_name(analysis, pid), kind, count,
-                               _nullable(amax), self.param_dtypes[pid], 0, None, None, None, None))
+                               _nullable(amax), self.param_dtypes[pid], 0, None, None, None, None, None, None))
         if loss is not None and not math.isfinite(loss):
             out.events.append((pack.step, "loss", "loss", _kind(0, 0, loss), None, None, None, 0,
-                               None, None, None, None))
+                               None, None, None, None, None, None))
         if pack.loc is not None:
             self._localization_rows(pack, analysis, out)
         return out
 
     def _grad_name(self, analysis: "_Analysis", pid: int) -> str:
         """The name of a parameter with a non-finite gradient; for a tied one, the name under the
-        module whose backward produced it when the module hooks tell (nanoGPT's
-        ``lm_head.weight``, not ``transformer.wte.weight``, whose embedding runs in fp32)."""
+        module whose backward produced it when the module hooks tell (nanoGPT's ``lm_head.weight``
+        when the head's weight gradient overflows; ``transformer.wte.weight`` when the embedding was
+        handed a non-finite gradient), ``one of: a, b`` when they cannot tell. Without module
+        values at all, the parameter's own (first) name."""
         owners = self.tied.get(pid)
         if not owners:
             return self.param_names[pid]
         found = analysis.get(force=True)
         if found is None:
             return self.param_names[pid]
-        return attribute_grad(owners, found[1]) or self.param_names[pid]
+        values, stats, _ = found
+        received = origins.grads_received(values, self._pack_aliases(analysis), [m for m, _ in owners],
+                                          len(self.module_names))
+        return attribute_grad(owners, stats, received) or "one of: " + ", ".join(sorted(n for _, n in owners))
+
+    @staticmethod
+    def _pack_aliases(analysis: "_Analysis") -> dict:
+        loc = analysis.loc
+        return loc["aliases"] if loc else {}
 
     def _details(self, pack: StepPack, flat: list[float]) -> dict[int, tuple]:
         return {pid: tuple(flat[5 * i:5 * i + 5]) for i, pid in enumerate(pack.detail_ids)}
@@ -173,16 +183,19 @@ class PackReader:
         into = origins.flows_into(values, loc["aliases"], loc["order"], self.module_names, where) \
             if has_events else {}
         fp32_amax = loc.get("fp32") or {}
+        lowp_amax = loc.get("lowp") or {}
         for (module, phase), s in stats.items():
             if s.nonfinite:
                 count = None if s.nan is None else int(s.nan + s.inf)  # type: ignore[operator]
                 kind = _kind(s.nan, s.inf) if s.nan is not None else ("nan" if s.kind_nan else "inf")
                 origin = where[phase] == module
                 fp32 = fp32_amax.get(module) if origin and phase == origins.FORWARD else None
+                lowp = lowp_amax.get(module) if origin and phase == origins.FORWARD else None
                 out.events.append((pack.step, phase, self.module_names[module], kind, count,
                                    _nullable(s.amax), s.dtype, int(origin), s.micro_batch,
                                    _nullable(fp32), None if fp32 is None else int(math.isnan(fp32)),
-                                   into.get(phase) if origin else None))
+                                   into.get(phase) if origin else None,
+                                   _nullable(lowp), None if lowp is None else int(math.isnan(lowp))))
             if has_events or pack.step % self.layer_every == 0:
                 out.modules.append((self.module_ids[module], 0 if phase == origins.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))
@@ -193,6 +206,7 @@ class _Analysis:
 
     def __init__(self, reader: PackReader, pack: StepPack) -> None:
         self._reader, self._pack = reader, pack
+        self.loc = pack.loc
         self._values: Optional[dict] = None
         self._result: Optional[tuple] = None
 
@@ -225,14 +239,35 @@ class _Analysis:
 _LOW_PRECISION = ("float16", "bfloat16")
 
 
-def attribute_grad(owners: list[tuple[int, str]], stats: dict) -> Optional[str]:
-    """Which owner of a tied parameter made its gradient non-finite, from one step's module stats:
-    the only owner whose input gradient was non-finite, else the only owner that ran in fp16/bf16
-    (a weight gradient computed in fp32 from finite inputs does not overflow). None if unclear."""
-    bad = [name for m, name in owners
-           if (s := stats.get((m, origins.BACKWARD))) is not None and s.nonfinite]
-    if len(bad) == 1:
-        return bad[0]
+def attribute_grad(owners: list[tuple[int, str]], stats: dict,
+                   received: Optional[dict[int, Optional[bool]]] = None) -> Optional[str]:
+    """Which owner of a tied parameter made its gradient non-finite, from one step's module stats.
+
+    A module's weight gradient is computed from the gradient it received (w.r.t. its output) and its
+    input: an owner handed a non-finite gradient produces a non-finite weight gradient whatever its
+    precision (an embedding in fp32 included), so the only such owner is the one. When none was
+    handed one, the weight gradient itself overflowed: only a computation in fp16/bf16 does that
+    from finite values, so the only owner that ran in low precision. ``received``: per owner
+    module, whether its received gradient was non-finite (None: not observed). None if unclear
+    (several owners qualify, or one was not observed)."""
+    ran = [(m, name) for m, name in owners if (m, origins.FORWARD) in stats]
+    if ran and len(ran) < len(owners):  # an owner not called this step produced nothing
+        owners = ran
+        if len(owners) == 1:
+            return owners[0][1]
+    if received is not None:
+        if any(received.get(m) is None for m, _ in owners):
+            return None
+        bad = [name for m, name in owners if received[m]]
+        if len(bad) == 1:
+            return bad[0]
+        if bad:
+            return None
+    else:  # older callers: the owners whose input gradient went non-finite
+        bad = [name for m, name in owners
+               if (s := stats.get((m, origins.BACKWARD))) is not None and s.nonfinite]
+        if len(bad) == 1:
+            return bad[0]
     low = [name for m, name in owners
            if (s := stats.get((m, origins.FORWARD))) is not None and s.dtype in _LOW_PRECISION]
     return low[0] if len(low) == 1 else None

@@ -84,9 +84,12 @@ class InputKeeper:
         self._observer = observer
         self._inputs: dict[int, tuple[Any, Any, list[int], list]] = {}
         self._pinned: set[int] = set()
+        self.autocast: Optional[dict[str, tuple[bool, torch.dtype]]] = None
 
     def keep(self, index: int, args: Any, kwargs: Any, tensors: list) -> None:
         """Called by the observer's pre-hook with the call's floating tensors (already listed)."""
+        if index == 0:  # the root, once per micro-batch: the autocast state its modules ran under
+            self.autocast = autocast_state()
         if index not in self._pinned:  # one input (most modules): no comprehension frame
             versions = [tensors[0]._version] if len(tensors) == 1 else [t._version for t in tensors]
             self._inputs[index] = (args, kwargs, versions, tensors, self._observer.root_calls - 1)
@@ -103,22 +106,62 @@ class InputKeeper:
         self._inputs.clear()
         self._pinned.clear()
 
-    def recompute(self, index: int, micro_batch: Optional[int] = None) -> Optional[float]:
-        """Max |output| of module ``index`` run again in fp32 on its kept inputs, or None.
+    def recompute(self, index: int, micro_batch: Optional[int] = None) -> tuple[Optional[float], Optional[float]]:
+        """Max |output| of module ``index`` run again on its kept inputs: (in fp32, in its original
+        dtypes and autocast state), each None where not done.
 
-        ``micro_batch``: the one whose call made the non-finite output. Unpinned (no free reads),
-        the kept inputs are the module's latest call's, from the step's last micro-batch: when the
-        overflow was in an earlier one, they are not the inputs that overflowed, so None."""
+        The second run is done only when the fp32 one is finite: then it tells an intermediate
+        value that overflows inside the module (non-finite again) from a call the recompute cannot
+        reproduce (finite again). ``micro_batch``: the one whose call made the non-finite output.
+        Unpinned (no free reads), the kept inputs are the module's latest call's, from the step's
+        last micro-batch: when the overflow was in an earlier one, they are not the inputs that
+        overflowed, so (None, None)."""
         kept = self._inputs.get(index)
         if kept is None:
-            return None
+            return None, None
         args, kwargs, versions, _, kept_batch = kept
         if index not in self._pinned and micro_batch is not None and max(kept_batch, 0) != micro_batch:
-            return None
+            return None, None
         if _versions(args, kwargs) != versions:
-            return None  # modified in place since the call: not the inputs it saw
+            return None, None  # modified in place since the call: not the inputs it saw
         module = self._observer.modules[index]
-        return recompute_fp32(module, args, kwargs, self._observer)
+        cleared = _without_cache(module, args, kwargs)
+        if cleared is None:
+            return None, None
+        args, kwargs = cleared
+        fp32 = recompute_fp32(module, args, kwargs, self._observer)
+        if fp32 is None or not math.isfinite(fp32):
+            return fp32, None
+        return fp32, recompute_as_run(module, args, kwargs, self.autocast, self._observer)
+
+
+def _is_cache(obj: Any) -> bool:
+    """A key/value cache object (transformers' ``Cache``: DynamicCache and kin), by its methods."""
+    return callable(getattr(obj, "update", None)) and callable(getattr(obj, "get_seq_length", None))
+
+
+def _without_cache(module: torch.nn.Module, args: Any, kwargs: Any) -> Optional[tuple[Any, Any]]:
+    """The call's arguments with a key/value cache left out, or None when that would change the call.
+
+    An attention module given a cache appends its keys and values to it: after the call the cache
+    holds them, so running it again with the cache would attend over them twice (and append them
+    again, changing the user's object). A training forward starts from an empty cache, which the
+    model creates: then the cache's length for the module's layer is exactly the call's sequence
+    length, and the call ran as it would have with no cache. A cache that held more (a module that
+    continued a prefilled one) cannot be put back as it was: no recompute."""
+    found = [k for k, v in kwargs.items() if _is_cache(v)] if isinstance(kwargs, dict) else []
+    if not found:
+        return args, kwargs
+    hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or not isinstance(layer, int):
+        return None
+    try:
+        if any(kwargs[k].get_seq_length(layer) != hidden.shape[-2] for k in found):
+            return None
+    except Exception:  # a cache of another shape of API: not one we know how to leave out
+        return None
+    return args, {k: (None if k in found else v) for k, v in kwargs.items()}
 
 
 def _swapped(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
@@ -163,6 +206,53 @@ def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, observer: Op
             observer.active = was_active
 
 
+def autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
+    """Whether autocast is on, and its dtype, per device type that can run it here (a few C calls)."""
+    kinds = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return {k: (torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds}
+
+
+def recompute_as_run(module: torch.nn.Module, args: Any, kwargs: Any,
+                     autocast: Optional[dict[str, tuple[bool, torch.dtype]]],
+                     observer: Optional[ModuleObserver] = None) -> Optional[float]:
+    """Run ``module`` again as training ran it: its own parameters, its inputs as they were, under the
+    autocast state its micro-batch ran with (``autocast``, from :func:`autocast_state`), with no
+    grad, the RNG forked, buffers replaced by copies and the observer's hooks paused; return max
+    |output|. None where it cannot be done (see :func:`recompute_fp32`) or the state is unknown."""
+    if autocast is None or any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
+        return None
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}  # BatchNorm updates them in place
+    device = next(iter(params.values()), next(iter(buffers.values()), None))
+    devices = [device.device] if device is not None and device.device.type == "cuda" else []
+    device_type = device.device.type if device is not None else "cpu"
+    enabled, dtype = autocast.get(device_type, (False, None))
+    was_active = observer.active if observer is not None else None
+    if observer is not None:
+        observer.active = False
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), \
+                torch.autocast(device_type, dtype=dtype, enabled=enabled), _swapped(module, {**params, **buffers}):
+            out = module.forward(*_detached(args), **_detached(kwargs))
+        return output_amax(out)
+    except Exception:  # the user's module, run again outside its call: no verdict, not a failure
+        return None
+    finally:
+        if observer is not None:
+            observer.active = was_active
+
+
+def _detached(obj: Any, depth: int = 0) -> Any:
+    """Tensors (in tuples, lists, dicts) detached, in their own dtypes; everything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        return type(obj)(_detached(x, depth + 1) for x in obj)
+    if depth < 3 and isinstance(obj, dict):
+        return {k: _detached(v, depth + 1) for k, v in obj.items()}
+    return obj
+
+
 def check_step(observer: ModuleObserver, skipped: bool) -> None:
     """On a step known to be bad (host path: a hook saw it; accelerator: the scaler skipped it),
     recompute the forward origin in fp32 once and leave the result with the observer's step."""
@@ -172,4 +262,5 @@ def check_step(observer: ModuleObserver, skipped: bool) -> None:
     observer.fp32_checked = True
     origin = observer.forward_origin(observer.names)
     if origin is not None:
-        observer.fp32_amax[origin] = keeper.recompute(origin, observer.bad_micro_batch(origin))
+        fp32, lowp = keeper.recompute(origin, observer.bad_micro_batch(origin))
+        observer.fp32_amax[origin], observer.lowp_amax[origin] = fp32, lowp

@@ -331,7 +331,9 @@ class Watch:
         from outside the model's outputs) says so once, and modules are observed live from then on."""
         self._trigger.pause(True)
         self.observer.set_observing(True)
-        reproduced, why = False, ("state the model keeps in Python, or a fault outside the model's outputs")
+        # the replay ran on the same weights, inputs, RNG and autocast state: the doctor reads "came out finite"
+        reproduced, why = False, ("it came out finite: state the model keeps in Python, a fault outside the "
+                                  "model's outputs, or a transient fault")
         try:
             reproduced = self.replayer.replay(self._params)
         except replay.NotReplayable as exc:

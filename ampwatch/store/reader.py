@@ -174,11 +174,12 @@ def _events(df: pd.DataFrame) -> pd.DataFrame:
     df["origin"] = df["origin"].astype(bool)
     df["amax"] = df["amax"].astype(float)
     df["micro_batch"] = df["micro_batch"].astype("Int64")  # NULL (per-step events, old files) reads <NA>
-    # SQLite keeps NaN as NULL: fp32_nan tells a NaN recompute from "not recomputed" (None).
-    nan = df.pop("fp32_nan").fillna(0).astype(int).to_numpy() == 1
-    df["fp32_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
-                                 for n, v in zip(nan, df["fp32_amax"].astype(object))],
-                                index=df.index, dtype=object)
+    # SQLite keeps NaN as NULL: fp32_nan/lowp_nan tell a NaN recompute from "not recomputed" (None).
+    for col in ("fp32", "lowp"):
+        nan = df.pop(f"{col}_nan").fillna(0).astype(int).to_numpy() == 1
+        df[f"{col}_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
+                                       for n, v in zip(nan, df[f"{col}_amax"].astype(object))],
+                                      index=df.index, dtype=object)
     df["flows_into"] = df["flows_into"].astype(object).where(df["flows_into"].notna(), None)
     return df
 
@@ -263,7 +264,9 @@ class Run:
         ``fp32_amax`` (forward origins): the max |output| of the module recomputed in fp32, as float
         NaN/inf where the recompute gave them and None where none was done (files written before
         schema 3 read as None); ``flows_into``: for an origin in a container's own code, the child
-        the non-finite value went into (else None)."""
+        the non-finite value went into (else None); ``lowp_amax`` (forward origins whose fp32
+        recompute was finite, schema 5): the max |output| of the module re-run in the dtypes and
+        autocast state of its call, float NaN/inf or None like ``fp32_amax``."""
         with guard(self.path), connect(self.path) as conn:
             extra = event_columns(conn)
         df = self._table("events", f"SELECT step, phase, module, kind, count, amax, dtype, origin{extra}"
@@ -319,7 +322,7 @@ def clip_threshold(info: dict[str, Any]) -> Optional[float]:
 
 # Event columns added after the first schema: older files lack them, and readers select NULL in
 # their place (or leave them out).
-EVENT_COLUMNS_ADDED = ("micro_batch", "fp32_amax", "fp32_nan", "flows_into")
+EVENT_COLUMNS_ADDED = ("micro_batch", "fp32_amax", "fp32_nan", "flows_into", "lowp_amax", "lowp_nan")
 
 
 def event_columns(conn: sqlite3.Connection, names: tuple = EVENT_COLUMNS_ADDED, missing_as_null: bool = True) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-SCHEMA_VERSION = 4  # the number of migrations below; readers accept any version up to it
+SCHEMA_VERSION = 5  # the number of migrations below; readers accept any version up to it
 
 # SQLite stores a float NaN as NULL. Columns that may legitimately hold NaN get a bit in the row's
 # ``nan_mask`` so readers can tell "NaN" from "not measured" (see docs/schema.md).
@@ -152,6 +152,18 @@ def m004_faithful_loops(db: Database) -> None:
         ALTER TABLE run ADD COLUMN loss_definition TEXT;  -- scaled-sum | logged-mean; NULL: older runs (mean)
         ALTER TABLE run ADD COLUMN clip_max_norm REAL;    -- max_norm of the last clip_grad_norm_ call seen
         ALTER TABLE tensors ADD COLUMN aliases TEXT;      -- JSON list of the tensor's other names (tied weights)
+        """
+    )
+
+
+@migrations()
+def m005_low_precision_rerun(db: Database) -> None:
+    """The forward origin re-run in its own dtypes when the fp32 recompute came back finite."""
+    db.executescript(
+        """
+        ALTER TABLE events ADD COLUMN lowp_amax REAL;     -- forward origins whose fp32 recompute was finite:
+                                                          -- max |output| re-run in the call's own dtypes
+        ALTER TABLE events ADD COLUMN lowp_nan INTEGER;   -- 1: that re-run gave NaN (stored NULL above)
         """
     )
 

@@ -38,7 +38,7 @@ _INSERTS = {
               " grad_nonfinite, grad_zero_frac, nan_mask) VALUES (?,?,?,?,?,?,?,?)",
     "modules": "INSERT OR REPLACE INTO modules (module_id, phase, step, amax, nonfinite) VALUES (?,?,?,?,?)",
     "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch,"
-              " fp32_amax, fp32_nan, flows_into) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+              " fp32_amax, fp32_nan, flows_into, lowp_amax, lowp_nan) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
     "metrics": "INSERT OR REPLACE INTO metrics (key, step, value) VALUES (?,?,?)",
 }
 

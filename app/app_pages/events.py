@@ -29,8 +29,8 @@ def _select() -> None:
         shared.jump_to(path, step - 20, step + 20, inspect=step)
 
 
-# amax NULL is a NaN gradient's; fp32_amax NULL: not recomputed (only forward origins are)
-shown_text = shared.readable(shown, {"amax": "NaN", **({"fp32_amax": "–"} if "fp32_amax" in shown else {})})
+# amax NULL is a NaN gradient's; fp32_amax/lowp_amax NULL: not recomputed (only forward origins are)
+shown_text = shared.readable(shown, {"amax": "NaN", **{c: "–" for c in ("fp32_amax", "lowp_amax") if c in shown}})
 st.dataframe(shown_text, key="events_table", on_select=_select, selection_mode="single-row", hide_index=True,
              column_config={"origin": st.column_config.CheckboxColumn("origin", help="where the NaN/Inf was born"),
                             "warmup": st.column_config.CheckboxColumn(
