@@ -37,6 +37,7 @@ import torch
 
 from . import torch_access
 from .backward import grad_outputs_of as backward_outputs
+from .copies import ours
 from .observe import add_grad_hook
 
 MAX_BATCHES = 1024  # root forwards kept per step, at most
@@ -112,8 +113,8 @@ class Replayer:
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
         # kept eager under torch.compile(model): the root's hooks run outside its graph
         self._handles = [
-            root.register_forward_pre_hook(torch._dynamo.disable(self._keep), with_kwargs=True),
-            root.register_forward_hook(torch._dynamo.disable(self._outputs), with_kwargs=True),
+            root.register_forward_pre_hook(ours(torch._dynamo.disable(self._keep)), with_kwargs=True),
+            root.register_forward_hook(ours(torch._dynamo.disable(self._outputs)), with_kwargs=True),
         ]
 
     def _rng(self) -> tuple:

@@ -30,7 +30,7 @@ from .runinfo import describe_run, module_aliases, parameter_table, resolve_path
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
-from . import fp8, replay
+from . import copies, fp8, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
@@ -86,6 +86,7 @@ class Watch:
         self._failed = False
         self._bad_log_keys: set[str] = set()  # watch.log keys already warned about
         self._handles: list[Any] = []
+        self._copy_safe: list[Any] = []  # modules whose copies leave our hooks out (copies.py)
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
         self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
@@ -170,12 +171,13 @@ class Watch:
     def _install(self) -> None:
         opt, model = self.optimizer, _uncompiled(self.model)
         _guard_module_hooks()
+        self._copy_safe = copies.leave_out_of_copies(model.modules())
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
         # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
         # the children look too. They are a no-op after the first step: removed then, unless Dynamo
         # traced them (removing a hook would make torch.compile recompile the model)
-        probes_ = [_AutocastProbe(self) for _ in range(1 + len(list(model.children())))]
+        probes_ = [copies.ours(_AutocastProbe(self)) for _ in range(1 + len(list(model.children())))]
         self._probes = [m.register_forward_pre_hook(probe) for m, probe in zip((model, *model.children()), probes_)]
         self._probe_objects = probes_
         self._trigger = BackwardEnd(model, self._params, self.guarded(self._on_backward),
@@ -485,6 +487,8 @@ class Watch:
             self.replayer.remove()
         if self.fp8 is not None:
             self.fp8.disarm()
+        copies.release(self._copy_safe)
+        self._copy_safe = []
         writer = getattr(self, "writer", None)
         if writer is not None:
             writer.close(status, error)
