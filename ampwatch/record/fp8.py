@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .copies import ours
+
 # One row per (layer, cast) or (layer, "output"): the values below, in this order.
 STATS = ("amax", "scale", "p99", "nonzero", "flushed", "saturated", "numel", "nonfinite", "rel_err")
 OUTPUT = "output"
@@ -259,7 +261,7 @@ class Fp8Recorder:
         if self._handles:
             return
         for layer in self.layers:
-            self._handles.append(layer.module.register_forward_hook(self.guard(self._forward_hook(layer))))
+            self._handles.append(layer.module.register_forward_hook(ours(self.guard(self._forward_hook(layer)))))
 
     def disarm(self) -> None:
         for handle in self._handles:
