@@ -14,7 +14,8 @@ import pandas as pd
 import streamlit as st
 
 import ampwatch
-from ampwatch.dashboard import layerdata, ranks, rundata
+from ampwatch.dashboard import fp8, layerdata, ranks, rundata
+from ampwatch.dashboard.fp8 import FP8_METRICS  # noqa: F401 - for the FP8 page
 from ampwatch.dashboard.layerdata import LAYER_METRICS, grid_frame  # noqa: F401 - for the Layers page
 from ampwatch.errors import RunError
 from ampwatch.store.reader import RUN_SUFFIXES
@@ -97,6 +98,31 @@ def step_detail(path: str, key: tuple, step: int) -> dict:
 def job_view(folder: str, key: tuple, file: str) -> ranks.JobView:
     """The job ``file`` belongs to (keyed on the whole folder's stamp: any rank may grow)."""
     return ranks.job_view(folder, file)
+
+
+def has_fp8(path: Optional[Path]) -> bool:
+    """Whether the chosen run recorded fp8 layers (an unreadable file: no; its page says why)."""
+    if path is None:
+        return False
+    try:
+        return _has_fp8(str(path), stamp(path))
+    except Exception:
+        return False
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _has_fp8(path: str, key: tuple) -> bool:
+    return fp8.has_fp8_layers(path)
+
+
+@st.cache_data(show_spinner="Reading fp8 layers...", max_entries=32)
+def fp8_grid(path: str, key: tuple, metric: str, start: int, end: int):
+    return fp8.fp8_grid(path, metric, start, end)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def fp8_summary(path: str, key: tuple) -> pd.DataFrame:
+    return fp8.fp8_summary(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import streamlit as st
 
+import loaders
 import state
 
 # An emoji favicon: a :material/ one is fetched from fonts.gstatic.com on every load (the app stays local).
@@ -19,6 +20,10 @@ pages = [
     st.Page(PAGES / "ranks.py", title="Ranks", icon=":material/hub:"),
     st.Page(PAGES / "live.py", title="Live", icon=":material/autorenew:"),
 ]
-nav = st.navigation(pages)
+# the pickers first: which run is chosen decides whether the FP8 page is offered (the menu still
+# sits at the top of the sidebar)
 st.session_state["_folder"], st.session_state["_run"] = state.sidebar()
+if loaders.has_fp8(st.session_state["_run"]):
+    pages.insert(3, st.Page(PAGES / "fp8.py", title="FP8", icon=":material/memory:"))
+nav = st.navigation(pages)
 nav.run()
