@@ -18,7 +18,7 @@ import queue
 import sqlite3
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sqlite_utils import Database
 
@@ -63,10 +63,16 @@ def create_run_file(path: str, info: dict[str, Any], tensors: list[dict[str, Any
 
 
 class RunWriter:
-    """Owns the SQLite connection on its own thread. ``failure`` is set if it dies."""
+    """Owns the SQLite connection on its own thread. ``failure`` is set if it dies.
 
-    def __init__(self, path: str, packs: PackReader, flush_every_s: float) -> None:
+    ``on_commit(rows, info, notices)``: called on this thread after each commit with what it
+    committed (the last call's ``info`` holds ``status``); it must not raise (a mirror to a tracker
+    guards itself)."""
+
+    def __init__(self, path: str, packs: PackReader, flush_every_s: float,
+                 on_commit: Optional[Callable[[Rows, dict, list], None]] = None) -> None:
         self.path = path
+        self._on_commit = on_commit
         self.failure: Optional[BaseException] = None
         self._packs = packs
         self._flush_every_s = flush_every_s
@@ -157,6 +163,8 @@ class RunWriter:
                     notices.append(payload)
             if stop or time.monotonic() - last_flush >= self._flush_every_s or pending.count() > 200_000:
                 self._commit(conn, pending, info, notices)
+                if self._on_commit is not None:
+                    self._on_commit(pending, info, notices)
                 pending, info, notices = Rows(), {}, []
                 last_flush = time.monotonic()
                 if not stop and last_flush - last_checkpoint >= CHECKPOINT_EVERY_S:
