@@ -63,3 +63,24 @@ def test_hf_trainer_report_to_tensorboard_gets_the_amp_figures(tmp_path, monkeyp
         for step, value in got.items():
             want = logged_at[step][tag]
             assert (math.isnan(value) and math.isnan(want)) or value == pytest.approx(want, rel=1e-6)
+
+
+def test_lightning_tensorboard_logger_gets_the_amp_figures(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from ampwatch.integrations.lightning import AmpwatchCallback
+    from test_integrations_lightning import Regressor, loader, make_trainer
+
+    class Pace(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            time.sleep(0.2)  # a slower step, as a real one is: the writer commits before the next log
+
+    logger = TensorBoardLogger(str(tmp_path / "tb"), name="lit", version=0)
+    trainer = make_trainer([Pace(), AmpwatchCallback(str(tmp_path / "lit.sqlite"), flush_every_s=0.02)],
+                           max_steps=12, accumulate_grad_batches=1, logger=logger, log_every_n_steps=2)
+    trainer.fit(Regressor(), loader(batches=12))
+    events = _scalars(tmp_path / "tb" / "lit" / "version_0")
+    steps = sorted(events["amp/step"])
+    assert len(steps) >= 4 and all(s % 2 == 0 for s in steps)
+    windows = [{tag: events[tag][s] for tag in events if tag.startswith("amp/") and s in events[tag]} for s in steps]
+    _check_windows(windows, tmp_path / "lit.sqlite")
