@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from typing import Any, Optional
 
@@ -29,7 +29,7 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     :param name: run name (default: the file's stem).
     :param config: a JSON-able dict stored with the run (hyper-parameters).
     :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``overwrite``
-        (see README).
+        (see docs/api.md).
 
     A wrong option value raises :class:`ampwatch.errors.OptionError` (a ValueError); an argument of
     the wrong type (model, optimizer, scaler, path, name, config) raises
@@ -40,14 +40,14 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     CUDA); disk writes happen on a background thread.
     """
     from .record.watch import Watch
-    from .settings import check_arguments
+    from .record.options import check_arguments
     check_arguments(model, optimizer, scaler, name, config)
     return Watch(model, optimizer, scaler, path=path, name=name, config=config, **options)
 
 
 def load(path: Any) -> "Run":
     """Open a run file read-only; raises :class:`RunError` with one clear line if it cannot."""
-    from .reader import Run
+    from .store.reader import Run
     return Run(path)
 
 
@@ -70,9 +70,9 @@ def load_group(folder_or_glob: Any, job: Optional[str] = None) -> "RunGroup":
     """The ranks of one distributed job (a folder of rank files, a glob, or one file) as a
     :class:`RunGroup`: ``steps`` (per rank), ``global_steps`` (across ranks), ``first_nonfinite()``,
     ``missing`` and ``unreadable`` ranks. Several jobs in the folder: pick one with ``job=``
-    (a :class:`RunError` lists them). See :func:`ampwatch.group.load_group`.
+    (a :class:`RunError` lists them). See :func:`ampwatch.jobs.group.load_group`.
     """
-    from .group import load_group as _load_group
+    from .jobs.group import load_group as _load_group
     return _load_group(folder_or_glob, job)
 
 
@@ -82,10 +82,10 @@ def __getattr__(name: str) -> Any:
         from .record.watch import Watch
         return Watch
     if name == "Run":
-        from .reader import Run
+        from .store.reader import Run
         return Run
     if name == "RunGroup":
-        from .group import RunGroup
+        from .jobs.group import RunGroup
         return RunGroup
     if name == "Finding":
         from .doctor import Finding

@@ -15,9 +15,13 @@ from typing import Any, Callable, Optional
 import pandas as pd
 import streamlit as st
 
-from ampwatch import dashdata, groupview, layerdata
+from ampwatch.dashboard import rundata
+
+from ampwatch.dashboard import ranks
+
+from ampwatch.dashboard import layerdata
 from ampwatch.errors import RunError
-from ampwatch.reader import RUN_SUFFIXES
+from ampwatch.store.reader import RUN_SUFFIXES
 
 AUTO_DOCTOR_STEPS = 1_000_000  # ~5 s of doctor at 1M steps (bench/doctor.py); bigger runs ask first
 SEVERITY_ICON = {"error": ":material/error:", "warning": ":material/warning:", "info": ":material/info:"}
@@ -281,12 +285,12 @@ def download(df: pd.DataFrame, name: str, label: str = "Download CSV") -> None:
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def runs_table(folder: str, key: tuple) -> tuple[pd.DataFrame, list]:
-    return dashdata.runs_table(folder)
+    return rundata.runs_table(folder)
 
 
 @st.cache_data(show_spinner="Reading steps...", max_entries=64)
 def overview(path: str, key: tuple, start: Optional[int] = None, end: Optional[int] = None):
-    return dashdata.overview_data(path, start, end)
+    return rundata.overview_data(path, start, end)
 
 
 @st.cache_data(show_spinner="Reading layers...", max_entries=32)
@@ -306,28 +310,28 @@ def zero_grads(path: str, key: tuple, start: Optional[int], end: Optional[int]) 
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def events(path: str, key: tuple) -> pd.DataFrame:
-    return dashdata.events(path)
+    return rundata.events(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
 def step_detail(path: str, key: tuple, step: int) -> dict:
-    return dashdata.step_detail(path, step)
+    return rundata.step_detail(path, step)
 
 
 @st.cache_data(show_spinner="Reading the job's ranks...", max_entries=16)
-def job_view(folder: str, key: tuple, file: str) -> groupview.JobView:
+def job_view(folder: str, key: tuple, file: str) -> ranks.JobView:
     """The job ``file`` belongs to (keyed on the whole folder's stamp: any rank may grow)."""
-    return groupview.job_view(folder, file)
+    return ranks.job_view(folder, file)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def run_row(path: str, key: tuple) -> dict:
-    return dashdata.run_row(path)
+    return rundata.run_row(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def skip_rate(path: str, key: tuple) -> pd.DataFrame:
-    return dashdata.skip_rate(path)
+    return rundata.skip_rate(path)
 
 
 @st.cache_data(show_spinner="Running the doctor...", max_entries=64)

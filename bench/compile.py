@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ampwatch  # noqa: E402
-from ampwatch.demo import TinyGPT  # noqa: E402
+from ampwatch.samples.models import TinyGPT  # noqa: E402
 
 VOCAB, SEQ = 2000, 128
 

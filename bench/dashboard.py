@@ -1,4 +1,4 @@
-"""How fast the dashboard's data is ready on a big run (issue 4: overview < 1.5 s, heatmap < 3 s).
+"""How fast the dashboard's data is ready on a big run (targets: overview < 1.5 s, heatmap < 3 s).
 
 Builds a 1,000,000-step run with 200 parameter tensors and 150 modules in a file created by the real
 writer (``create_run_file``: the real schema and run row), with per-layer and per-module rows at the
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ampwatch.schema import LAYER_NAN_BITS, STEP_NAN_BITS
-from ampwatch.settings import DEFAULTS
-from ampwatch.writer import _INSERTS, create_run_file
+from ampwatch.store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from ampwatch.record.options import DEFAULTS
+from ampwatch.store.writer import _INSERTS, create_run_file
 
 SPIKE_STEP = 654_321
 NAN_STEPS = (400_003, 777_777)
@@ -115,13 +115,14 @@ def _timed(fn) -> float:
 
 
 def measure(path: Path, repeat: int) -> dict[str, list[float]]:
-    from ampwatch import dashdata, layerdata
+    from ampwatch.dashboard import rundata
+    from ampwatch.dashboard import layerdata
     tasks = {
-        "run overview data ready": lambda: dashdata.overview_data(path),
+        "run overview data ready": lambda: rundata.overview_data(path),
         "layers heatmap data ready": lambda: layerdata.layer_heatmap(path, "grad_norm"),
         "fp16 headroom + zero-grad data ready": lambda: (layerdata.module_headroom(path),
                                                          layerdata.zero_grad_fraction(path)),
-        "runs table row": lambda: dashdata.run_row(path),
+        "runs table row": lambda: rundata.run_row(path),
     }
     times: dict[str, list[float]] = {k: [] for k in tasks}
     for _ in range(repeat):  # interleaved, so drift on the shared machine hits every variant alike

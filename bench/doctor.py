@@ -1,4 +1,4 @@
-"""How long the doctor takes: a 1,000,000-step run and each sample run (issue 5).
+"""How long the doctor takes: a 1,000,000-step run and each sample run.
 
 The big run is the one bench/dashboard.py builds (200 parameter tensors, 150 modules, detail rows
 every ``layer_every`` steps: 10M layer rows and 15M module rows), built here if ``--big`` does not

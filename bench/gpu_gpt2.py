@@ -1,4 +1,4 @@
-"""Issue 9 on a GPU: GPT-2 small step time with and without ampwatch, eager and torch.compile.
+"""On a GPU: GPT-2 small step time with and without ampwatch, eager and torch.compile.
 
 GPT-2 small (124M parameters, random weights from ``transformers.GPT2Config()``), batch 8 x 1024
 tokens, fp16 autocast + ``torch.amp.GradScaler("cuda")``, AdamW, the README loop (unscale_, clip,

@@ -1,4 +1,4 @@
-"""How long reading a distributed job takes: 64 ranks x 100,000 steps (issue 12).
+"""How long reading a distributed job takes: 64 ranks x 100,000 steps.
 
 Builds the job's files with the run writer directly (``create_run_file`` plus the writer's own
 INSERT statements; no training), once, under ``--dir``: every rank has 100,000 steps (loss, scale,
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import ampwatch
-from ampwatch.writer import _INSERTS, create_run_file
+from ampwatch.store.writer import _INSERTS, create_run_file
 
 BAD_RANK, BAD_STEP, WARMUP = 37, 73_456, (0, 1, 2)
 _EVENT = ("INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch)"
@@ -102,7 +102,7 @@ def main() -> None:
                 times.setdefault((label, "global_steps (full)"), []).append(t)
     assert (first.step, first.rank, first.phase) == (0, 0, "backward")  # the warm-up comes first
     g = ampwatch.load_group(big)
-    from ampwatch.groupdata import first_nonfinite
+    from ampwatch.jobs.combine import first_nonfinite
     fwd = first_nonfinite(g, phases=("forward", "loss"))
     assert (fwd.step, fwd.rank, fwd.module, fwd.micro_batch) == (BAD_STEP, BAD_RANK, "h.1.fc", 1), fwd
     print(f"overview: {len(ov.global_steps):,} sampled steps (every {ov.every}), ranks {len(ov.ranks)}")

@@ -37,8 +37,11 @@ from torch.nn import functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ampwatch  # noqa: E402
-from ampwatch import backward as backward_end  # noqa: E402
-from ampwatch.record import batched, hoststats, observe, watch  # noqa: E402
+from ampwatch.record import backward as backward_end  # noqa: E402
+from ampwatch.record import batched  # noqa: E402
+from ampwatch.record import hoststats
+from ampwatch.record import observe
+from ampwatch.record import watch
 
 ENTRY_POINTS: list[tuple[Any, tuple[str, ...]]] = [
     (observe.ModuleObserver, ("_before", "_after", "_on_grad")),

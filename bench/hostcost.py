@@ -57,14 +57,14 @@ def model_and_batch(seq: int = 16):
 def hook_floor(model: torch.nn.Module, steps):
     """The least any per-module observation in Python costs: a forward hook on every module that
     does nothing but give each floating output a gradient hook (ampwatch's own cheap way,
-    ``observe._add_grad_hook``) that does nothing (``dict.get``: a C call returning None)."""
-    from ampwatch.record.observe import _add_grad_hook
+    ``observe.add_grad_hook``) that does nothing (``dict.get``: a C call returning None)."""
+    from ampwatch.record.observe import add_grad_hook
     nothing = {}.get
 
     def hook(module, args, kwargs, output):
         for t in ((output,) if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else ()):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                _add_grad_hook(t, t.grad_fn, nothing)
+                add_grad_hook(t, t.grad_fn, nothing)
 
     def run(k: int) -> float:
         handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
@@ -116,7 +116,7 @@ def eager_variants(folder: str) -> tuple[dict, torch.nn.Module]:
 
 def compiled_variants(folder: str, backend: str) -> tuple[dict, torch.nn.Module]:
     """A compiled copy per variant (hooks are guarded: attaching to one compiled copy and detaching
-    again would recompile it every block), ampwatch attached before compiling, as the README says."""
+    again would recompile it every block), ampwatch attached before compiling, as docs/localization.md says."""
     variants = {}
     for name, options in (("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}),
                           ("localize=False", {"localize": False})):

@@ -1,5 +1,5 @@
 """A reader polling a live run every 100 ms (what the dashboard's Live page and `ampwatch summary` do):
-does it slow the training thread, or let the WAL grow without bound? (issue 11)
+does it slow the training thread, or let the WAL grow without bound?
 
 Part 1, step time: a small MLP trains with ampwatch attached (default flush, 1 s) in blocks of
 ``--block`` steps, alternating without / with a reader process (`Run` + `summarize` every 100 ms) —
@@ -33,7 +33,7 @@ import ampwatch
 
 READER = textwrap.dedent("""
     import os, sys, time, ampwatch
-    from ampwatch.summary import summarize
+    from ampwatch.doctor.summary import summarize
     path, go, stop = sys.argv[1:4]
     polls = errors = 0
     while not os.path.exists(stop):
@@ -99,8 +99,8 @@ def step_times(folder: Path, pairs: int, block: int) -> dict:
 
 def wal_growth(folder: Path, steps: int) -> dict:
     from ampwatch.record.packing import PackReader, StepPack
-    from ampwatch.schema import SCHEMA_VERSION
-    from ampwatch.writer import RunWriter, create_run_file
+    from ampwatch.store.schema import SCHEMA_VERSION
+    from ampwatch.store.writer import RunWriter, create_run_file
     path, go, stop = folder / "wal.sqlite", folder / "go2", folder / "stop2"
     n_params = 20
     names = [{"id": i, "kind": "param", "name": f"p{i}", "type": "float32", "numel": 100, "trainable": 1}
@@ -111,7 +111,7 @@ def wal_growth(folder: Path, steps: int) -> dict:
     go.touch()
     reader = _reader(path, go, stop)
     time.sleep(3)
-    writer = RunWriter(str(path), PackReader([n["name"] for n in names], ["float32"] * n_params, [], [], 20), 0.1)
+    writer = RunWriter(str(path), PackReader([n["name"] for n in names], ["float32"] * n_params, [], [], 20).rows, 0.1)
     wal, biggest = Path(f"{path}-wal"), 0
     g = torch.Generator().manual_seed(0)
     start = time.time()

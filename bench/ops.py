@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ampwatch  # noqa: E402
-from ampwatch.demo import TinyGPT  # noqa: E402
+from ampwatch.samples.models import TinyGPT  # noqa: E402
 
 _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
          "_local_scalar_dense", "detach", "alias", "set_", "resize_", "_has_compatible_shallow_copy_type"}

@@ -12,7 +12,7 @@ median step time per variant and the median over rounds of the paired ratio vari
         # mirroring to a TensorBoard log folder (attach mirror=); a short flush interval makes the writer
         # thread commit, and so mirror, during the timed steps and not only at close
 
-Workloads: ``gpt`` = GPT-like, 4 layers, d_model 256, seq 128, batch 16 (issue 2's reference);
+Workloads: ``gpt`` = GPT-like, 4 layers, d_model 256, seq 128, batch 16 (the reference transformer);
 ``gpt-small`` = 2 layers, d_model 128, seq 64, batch 8; ``mlp`` = 3-layer MLP (64-128-128-10),
 batch 64. fp16 autocast + ``GradScaler("cpu")``, unscale_ + clip_grad_norm_ as in the README loop.
 """
@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampwatch
-from ampwatch.demo import TinyGPT
+from ampwatch.samples.models import TinyGPT
 
 
 def make_workload(name: str):
@@ -126,7 +126,7 @@ def main() -> None:
         runpy.run_path(sys.argv[0], run_name="__main__")
         return
     torch.set_num_threads(1)
-    import ampwatch.recorder  # noqa: F401  (installs ampwatch's log handler, which we then quieten)
+    import ampwatch.record.watch  # noqa: F401  (installs ampwatch's log handler, which we then quieten)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)  # one "recording to" line per block is noise
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     model, x, loss_fn = make_workload(args.workload)

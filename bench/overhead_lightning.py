@@ -28,8 +28,8 @@ from torch.nn import functional as F
 import lightning.pytorch as L
 from lightning.pytorch.plugins import MixedPrecision
 
-import ampwatch.recorder  # noqa: F401  (imported now, so the log level set below sticks)
-from ampwatch.demo import TinyGPT
+import ampwatch.record.watch  # noqa: F401  (imported now, so the log level set below sticks)
+from ampwatch.samples.models import TinyGPT
 from ampwatch.integrations.lightning import AmpwatchCallback
 
 

@@ -19,8 +19,8 @@ import torch
 
 from ampwatch.record import observe
 from ampwatch.record.packing import PackReader, StepPack
-from ampwatch.settings import DEFAULTS
-from ampwatch.writer import RunWriter, create_run_file
+from ampwatch.record.options import DEFAULTS
+from ampwatch.store.writer import RunWriter, create_run_file
 
 
 def synthetic_stats(n_modules: int, rng: random.Random) -> tuple[torch.Tensor, dict]:
@@ -47,7 +47,7 @@ def run(steps: int, n_params: int, n_modules: int, layer_every: int, folder: Pat
     packs = PackReader([t["name"] for t in tensors[:n_params]], ["float32"] * n_params,
                        list(range(n_params, n_params + n_modules)), [f"mod{m}" for m in range(n_modules)],
                        layer_every)
-    writer = RunWriter(str(path), packs, DEFAULTS["flush_every_s"])
+    writer = RunWriter(str(path), packs.rows, DEFAULTS["flush_every_s"])
     rng = random.Random(0)
     stats, loc = synthetic_stats(n_modules, rng)
     ids = list(range(n_params))

@@ -14,7 +14,7 @@ torch.set_num_threads(1)  # two threads on two shared cores swing 5-12x (researc
 def no_watch_left_open():
     """Fail a test that leaves a recording open (its writer thread would leak into other tests)."""
     yield
-    from ampwatch.recorder import _open_watches
+    from ampwatch.record.watch import _open_watches
     gc.collect()
     left = [w for w in list(_open_watches) if not w.closed]
     for w in left:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from ampwatch.writer import _INSERTS, create_run_file
+from ampwatch.store.writer import _INSERTS, create_run_file
 
 _EVENT = ("INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch)"
           " VALUES (?,?,?,?,?,?,?,?,?)")

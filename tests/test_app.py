@@ -21,7 +21,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import ampwatch
-from ampwatch.writer import _INSERTS, create_run_file
+from ampwatch.store.writer import _INSERTS, create_run_file
 from sqltruth import sql_frame as _sql
 
 ROOT = Path(__file__).resolve().parent.parent

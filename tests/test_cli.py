@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 import ampwatch
-from ampwatch.cli import cli
-from ampwatch.schema import SCHEMA_VERSION
+from ampwatch.cli.main import cli
+from ampwatch.store.schema import SCHEMA_VERSION
 
 SAMPLES = Path(__file__).parent.parent / "sample_runs"
 

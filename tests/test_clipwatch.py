@@ -9,8 +9,9 @@ import torch
 from torch.nn.utils import clip_grad_norm_ as bound_before_attach
 
 import ampwatch
-from ampwatch import dashdata, figures
-from ampwatch.reader import clip_threshold
+from ampwatch.dashboard import rundata
+from ampwatch.dashboard import figures
+from ampwatch.store.reader import clip_threshold
 from loops import data, mlp
 
 ORIGINALS = {name: getattr(torch.nn.utils, name) for name in ("clip_grad_norm_", "clip_grads_with_norm_")}
@@ -76,7 +77,7 @@ def test_another_models_clip_is_not_ours_and_two_watches_restore_torch(tmp_path)
 def test_the_overview_draws_the_observed_threshold_whatever_the_config_key(tmp_path):
     run = _loop(tmp_path / "r.sqlite", lambda m, i: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.75),
                 config={"grad_clip": 99.0})  # nanoGPT's key, and a value the call contradicts
-    ov = dashdata.overview_data(run.path)
+    ov = rundata.overview_data(run.path)
     assert ov.clip_threshold == 0.75
     lines = [s for s in figures.overview_figure(ov).layout.shapes if s.y0 == s.y1]
     assert [s.y0 for s in lines] == [0.75]
@@ -101,4 +102,4 @@ def test_a_run_from_before_schema_3_reads_as_written(tmp_path):
     old = ampwatch.load(run.path)
     assert old.info["loss_definition"] == "scaled-mean" and old.info["clip_max_norm"] is None
     assert set(old.tensors["aliases"]) == {""} and list(old.steps["loss"]) == list(run.steps["loss"])
-    assert dashdata.overview_data(run.path).clip_threshold is None
+    assert rundata.overview_data(run.path).clip_threshold is None

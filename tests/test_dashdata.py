@@ -11,10 +11,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ampwatch import dashdata, layerdata
+from ampwatch.dashboard import rundata
+
+from ampwatch.dashboard import layerdata
 from ampwatch.errors import RunError
-from ampwatch.schema import LAYER_NAN_BITS, STEP_NAN_BITS
-from ampwatch.writer import _INSERTS, create_run_file
+from ampwatch.store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from ampwatch.store.writer import _INSERTS, create_run_file
 from sqltruth import sql_frame as _sql
 
 SAMPLES = sorted(Path(__file__).resolve().parent.parent.glob("sample_runs/*.sqlite"))
@@ -32,7 +34,7 @@ def _truth_steps(path: Path) -> pd.DataFrame:
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
     """A real fp16 TinyGPT run: warm-up skips, then a burst of forward overflow (skips, NaN/inf events)."""
-    from ampwatch import demo
+    from ampwatch.samples import demo
     path = tmp_path_factory.mktemp("real") / "burst.sqlite"
     demo.train(path, 80, init_scale=2.0 ** 24, growth_interval=10, layer_every=5,
                fault=demo._activation_burst("h.0.mlp.fc", 40, 46, 1e5))
@@ -91,9 +93,9 @@ def million(tmp_path_factory) -> Path:
 
 
 def test_million_steps_keep_the_spike_the_nan_and_the_skip(million):
-    ov = dashdata.overview_data(million)
+    ov = rundata.overview_data(million)
     s = ov.steps
-    assert ov.bucket > 1 and len(s) < 20 * dashdata.STEP_BUCKETS  # really downsampled
+    assert ov.bucket > 1 and len(s) < 20 * rundata.STEP_BUCKETS  # really downsampled
     assert s.loc[s["loss"].idxmax(), "step"] == 654_321 and s["loss"].max() == 1e6
     assert list(ov.nonfinite_steps) == [400_003]
     assert list(ov.skipped_steps) == [400_003, 777_777]
@@ -104,13 +106,13 @@ def test_million_steps_keep_the_spike_the_nan_and_the_skip(million):
 
 
 def test_zoomed_range_is_exact(million):
-    ov = dashdata.overview_data(million, 654_000, 654_500)
+    ov = rundata.overview_data(million, 654_000, 654_500)
     assert ov.bucket == 1 and list(ov.steps["step"]) == list(range(654_000, 654_501))
 
 
 def test_real_run_downsampled_keeps_extremes_nans_and_skips(real_run):
     truth = _truth_steps(real_run)
-    ov = dashdata.overview_data(real_run, buckets=8)  # 80 steps in 8 buckets: forces downsampling
+    ov = rundata.overview_data(real_run, buckets=8)  # 80 steps in 8 buckets: forces downsampling
     assert ov.bucket == 10
     s = ov.steps.set_index("step")
     assert set(truth["step"][truth["skipped"] == 1]) == set(ov.skipped_steps) <= set(s.index)
@@ -127,10 +129,10 @@ def test_real_run_downsampled_keeps_extremes_nans_and_skips(real_run):
 
 
 def test_too_many_marks_still_mark_every_bucket(real_run, monkeypatch):
-    """Past EXACT_LIMIT skipped steps, each bucket keeps its first and last one (a tiny limit forces it)."""
-    monkeypatch.setattr(dashdata, "EXACT_LIMIT", 3)
+    """Past EXACT_MARKS_LIMIT skipped steps, each bucket keeps its first and last one (a tiny limit forces it)."""
+    monkeypatch.setattr(rundata, "EXACT_MARKS_LIMIT", 3)
     truth = _truth_steps(real_run)
-    ov = dashdata.overview_data(real_run, buckets=8)
+    ov = rundata.overview_data(real_run, buckets=8)
     skipped = truth["step"][truth["skipped"] == 1].to_numpy()
     buckets = skipped // ov.bucket
     ends = {int(skipped[buckets == b].min()) for b in set(buckets)} | {int(skipped[buckets == b].max())
@@ -144,7 +146,7 @@ def test_scale_changes_match_sqlite(real_run):
     truth = _truth_steps(real_run)
     prev = truth["loss_scale"].shift()
     changed = truth[(truth["loss_scale"] != prev) & prev.notna()]
-    ov = dashdata.overview_data(real_run)
+    ov = rundata.overview_data(real_run)
     assert list(ov.scale_changes["step"]) == list(changed["step"])
     kinds = np.where(changed["loss_scale"] < prev[changed.index], "backoff", "growth")
     assert list(ov.scale_changes["kind"]) == list(kinds)
@@ -154,7 +156,7 @@ def test_scale_changes_match_sqlite(real_run):
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
 def test_run_row_matches_sqlite(path):
-    row = dashdata.run_row(path)
+    row = rundata.run_row(path)
     t = _truth_steps(path)
     assert row["steps"] == len(t) and row["skipped"] == int(t["skipped"].sum())
     last = t.iloc[-1]
@@ -181,19 +183,19 @@ def test_runs_table_lists_unreadable_files_with_reason(tmp_path):
     foreign.close()
     head = SAMPLES[0].read_bytes()
     (tmp_path / "truncated.sqlite").write_bytes(head[:4096])
-    runs, bad = dashdata.runs_table(tmp_path)
+    runs, bad = rundata.runs_table(tmp_path)
     assert list(runs["file"]) == [SAMPLES[0].name]
     reasons = dict(bad)
     assert set(reasons) == {"empty.sqlite", "text.sqlite", "foreign.sqlite", "truncated.sqlite"}
     assert "empty file" in reasons["empty.sqlite"] and "another tool" in reasons["foreign.sqlite"]
     with pytest.raises(RunError, match="no folder"):
-        dashdata.runs_table(tmp_path / "missing")
+        rundata.runs_table(tmp_path / "missing")
 
 
 def test_zero_step_run(tmp_path):
     path = _synthetic(tmp_path / "zero.sqlite", 0)
-    assert dashdata.run_row(path)["steps"] == 0
-    ov = dashdata.overview_data(path)
+    assert rundata.run_row(path)["steps"] == 0
+    ov = rundata.overview_data(path)
     assert ov.steps.empty and ov.first is None
     assert layerdata.layer_heatmap(path).values.size == 0
     assert layerdata.module_headroom(path).empty
@@ -260,13 +262,13 @@ def test_headroom_matches_sqlite(real_run):
 
 
 def test_events_origin_first_and_step_detail(real_run):
-    ev = dashdata.events(real_run)
+    ev = rundata.events(real_run)
     t = _sql(real_run, "SELECT step, origin FROM events ORDER BY step, origin DESC, id")
     assert len(ev) == len(t) > 0 and list(ev["step"]) == list(t["step"])
     with_origin = ev[ev.groupby("step")["origin"].transform("any")]
     assert len(with_origin) and with_origin.groupby("step").head(1)["origin"].all()  # origin listed first
     step = int(ev["step"].iloc[0])
-    d = dashdata.step_detail(real_run, step)
+    d = rundata.step_detail(real_run, step)
     assert len(d["events"]) == int((t["step"] == step).sum())
     assert len(d["layers"]) == len(_sql(real_run, "SELECT 1 FROM layers WHERE step = ?", (step,)))
     assert len(d["modules"]) == len(_sql(real_run, "SELECT 1 FROM modules WHERE step = ?", (step,)))
@@ -280,10 +282,10 @@ def test_events_origin_first_and_step_detail(real_run):
 
 def test_reading_never_changes_the_file(real_run):
     before = hashlib.sha256(real_run.read_bytes()).hexdigest(), real_run.stat().st_mtime_ns
-    dashdata.overview_data(real_run, buckets=5)
+    rundata.overview_data(real_run, buckets=5)
     layerdata.layer_heatmap(real_run)
     layerdata.module_headroom(real_run)
     layerdata.zero_grad_fraction(real_run)
-    dashdata.step_detail(real_run, 3)
-    dashdata.runs_table(real_run.parent)
+    rundata.step_detail(real_run, 3)
+    rundata.runs_table(real_run.parent)
     assert (hashlib.sha256(real_run.read_bytes()).hexdigest(), real_run.stat().st_mtime_ns) == before

@@ -17,9 +17,10 @@ from torch.nn import functional as F
 
 import ampwatch
 from ampwatch.doctor import rules
-from ampwatch.cli import cli
-from ampwatch.demo import TinyGPT, batches
-from ampwatch.doctor import Finding, diagnose, format_report
+from ampwatch.cli.main import cli
+from ampwatch.samples.models import TinyGPT, batches
+from ampwatch.cli.report import format_report
+from ampwatch.doctor import Finding, diagnose
 
 SAMPLES = Path(__file__).parent.parent / "sample_runs"
 
@@ -242,7 +243,7 @@ def test_healthy_runs_stay_well_below_outlier_thresholds(runs):
         for col, limits in (("loss", rules.LOSS_SPIKE), ("grad_norm", rules.GRAD_SPIKE)):
             half = dict(z=limits["z"] / 2, ratio=1 + (limits["ratio"] - 1) / 2,
                         over_max=1 + (limits["over_max"] - 1) / 2)
-            assert rules._outliers(s["step"], s[col], **half) == [], (name, col)
+            assert rules.outliers(s["step"], s[col], **half) == [], (name, col)
 
 
 def test_warmup_skips_are_info_and_their_events_are_not_errors(runs):

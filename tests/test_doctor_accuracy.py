@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampwatch
-from ampwatch import probes
+from ampwatch.record import torch_access
 
 transformers = pytest.importorskip("transformers")
 
@@ -336,7 +336,7 @@ def _train_dropnorm(path: Path, fp32_check: bool, steps: int = 6) -> tuple[dict,
 @pytest.mark.parametrize("accelerator_path", [False, True], ids=["host-reads", "device-stats"])
 def test_fp32_recompute_changes_nothing(tmp_path, monkeypatch, accelerator_path):
     if accelerator_path:  # stats stay on the device; the skip (free to know) triggers the recompute
-        monkeypatch.setattr(probes, "reads_are_free", lambda device: False)
+        monkeypatch.setattr(torch_access, "reads_are_free", lambda device: False)
     with_state, with_rng = _train_dropnorm(tmp_path / "with.sqlite", True)
     without_state, without_rng = _train_dropnorm(tmp_path / "without.sqlite", False)
     assert with_state.keys() == without_state.keys()
@@ -418,7 +418,7 @@ def test_short_growth_interval_probing_is_a_warning(skip_runs):
 
 def test_a_crashed_run_is_an_error_with_its_last_line(tmp_path):
     from click.testing import CliRunner
-    from ampwatch.cli import cli
+    from ampwatch.cli.main import cli
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -9,7 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ampwatch import dashdata, figures, layerdata
+from ampwatch.dashboard import rundata
+
+from ampwatch.dashboard import figures
+
+from ampwatch.dashboard import layerdata
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
 
@@ -22,7 +26,7 @@ def _trace(fig, name_start: str):
 
 @pytest.fixture(scope="module")
 def storm():
-    return dashdata.overview_data(SAMPLES / "overflow_storm.sqlite")
+    return rundata.overview_data(SAMPLES / "overflow_storm.sqlite")
 
 
 def test_overview_traces_carry_the_data(storm):
@@ -48,13 +52,13 @@ def test_clip_threshold_line_only_when_known(storm):
     fig = figures.overview_figure(storm)
     lines = [s for s in fig.layout.shapes if s.type == "line"]
     assert storm.clip_threshold == 1.0 and [s.y0 for s in lines] == [1.0]
-    storm_no_clip = dashdata.Overview(storm.steps, storm.skipped_steps, storm.nonfinite_steps,
+    storm_no_clip = rundata.Overview(storm.steps, storm.skipped_steps, storm.nonfinite_steps,
                                       storm.scale_changes, 1, 0, 299, info={"config": {}})
     assert not [s for s in figures.overview_figure(storm_no_clip).layout.shapes if s.type == "line"]
 
 
 def test_markers_for_nan_steps_sit_on_the_plot():
-    ov = dashdata.overview_data(SAMPLES / "diverged.sqlite")
+    ov = rundata.overview_data(SAMPLES / "diverged.sqlite")
     fig = figures.overview_figure(ov, log_loss=True)
     nan = _trace(fig, "NaN/inf step")
     assert list(nan.x) == list(ov.nonfinite_steps) and len(nan.x) > 0
@@ -92,8 +96,8 @@ def test_zero_grad_and_compare_figures():
     # a tied weight is drawn under all its names (issue 13): TinyGPT ties lm_head to wte
     assert list(fig.data[0].y) == [layerdata.alias_label(n, a) for n, a in zip(zero["layer"], zero["aliases"])]
     assert "wte.weight = lm_head.weight" in list(fig.data[0].y)
-    runs = {p.stem: dashdata.overview_data(p) for p in sorted(SAMPLES.glob("*.sqlite"))[:3]}
-    rates = {name: dashdata.skip_rate(SAMPLES / f"{name}.sqlite") for name in runs}
+    runs = {p.stem: rundata.overview_data(p) for p in sorted(SAMPLES.glob("*.sqlite"))[:3]}
+    rates = {name: rundata.skip_rate(SAMPLES / f"{name}.sqlite") for name in runs}
     fig = figures.compare_figure(runs, rates)
     legend = [t.name for t in fig.data if t.showlegend]
     assert legend == list(runs)
@@ -103,13 +107,13 @@ def test_zero_grad_and_compare_figures():
 
 
 def test_figures_import_neither_streamlit_nor_torch():
-    code = ("import sys, ampwatch.figures, ampwatch.dashdata, ampwatch.layerdata; "
+    code = ("import sys, ampwatch.dashboard.figures, ampwatch.dashboard.rundata, ampwatch.dashboard.layerdata; "
             "bad = [m for m in ('torch', 'streamlit') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_constant_lr_is_visible_not_flattened_onto_zero():
-    fig = figures.overview_figure(dashdata.overview_data(SAMPLES / "healthy_fp16.sqlite"))
+    fig = figures.overview_figure(rundata.overview_data(SAMPLES / "healthy_fp16.sqlite"))
     lo, hi = fig.layout.yaxis4.range
     assert lo == 0 and 0.003 < hi < 0.0035  # the sample trains at a constant lr of 3e-3
 
@@ -146,7 +150,7 @@ def test_headroom_draws_an_overflowed_module_past_the_limit():
 
 
 def test_scale_panel_says_why_it_is_empty_or_broken():
-    bf16 = dashdata.overview_data(SAMPLES / "bf16_noscaler.sqlite")
+    bf16 = rundata.overview_data(SAMPLES / "bf16_noscaler.sqlite")
     fig = figures.overview_figure(bf16)
     assert any("no loss scale recorded" in a.text for a in fig.layout.annotations)
     steps = pd.DataFrame({"step": [0, 1, 2, 3], "loss_scale": [4.0, 0.0, 0.0, 2.0]})

@@ -18,10 +18,11 @@ import torch
 from click.testing import CliRunner
 
 import ampwatch
-from ampwatch import dashdata, layerdata
-from ampwatch.cli import cli
+from ampwatch.dashboard import rundata
+from ampwatch.dashboard import layerdata
+from ampwatch.cli.main import cli
 from ampwatch.errors import RunError
-from ampwatch.summary import summarize
+from ampwatch.doctor.summary import summarize
 from loops import amp_step, data, mlp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,9 +88,9 @@ def _readers(path: Path, k: int) -> dict[str, Callable[[], Any]]:
         "steps": lambda: opened().steps, "layers": lambda: opened().layers, "modules": lambda: opened().modules,
         "events": lambda: opened().events, "metrics": lambda: opened().metrics, "notices": lambda: opened().notices,
         "tensors": lambda: opened().tensors, "query": lambda: opened().query("SELECT * FROM steps WHERE step >= ?", (10,)),
-        "run_row": lambda: dashdata.run_row(path), "overview": lambda: dashdata.overview_data(path, buckets=50),
-        "skip_rate": lambda: dashdata.skip_rate(path), "dash_events": lambda: dashdata.events(path),
-        "step_detail": lambda: dashdata.step_detail(path, 24), "heatmap": lambda: layerdata.layer_heatmap(path),
+        "run_row": lambda: rundata.run_row(path), "overview": lambda: rundata.overview_data(path, buckets=50),
+        "skip_rate": lambda: rundata.skip_rate(path), "dash_events": lambda: rundata.events(path),
+        "step_detail": lambda: rundata.step_detail(path, 24), "heatmap": lambda: layerdata.layer_heatmap(path),
         "zero_grads": lambda: layerdata.zero_grad_fraction(path),
     }
     costly = {"summarize": lambda: summarize(ampwatch.load(path)), "diagnose": lambda: ampwatch.diagnose(str(path)),
@@ -182,7 +183,7 @@ def test_damaged_copies_give_run_error_or_data_never_anything_else(sources, tmp_
     res = CliRunner().invoke(cli, ["ls", str(folder)])  # one folder of every damaged copy
     if res.exit_code != 0 or res.exception is not None and not isinstance(res.exception, SystemExit):
         unexpected.append(f"ls: exit {res.exit_code} {res.exception!r}")
-    table, unreadable = dashdata.runs_table(folder)
+    table, unreadable = rundata.runs_table(folder)
     assert len(table) + len(unreadable) == COPIES
     extra = sorted(f.name for f in folder.iterdir() if not f.name.endswith(".sqlite"))
     assert not extra, f"readers left files beside the inputs: {extra[:5]}"

@@ -1,4 +1,4 @@
-"""Issue 9: eager gradient observation fills a tensor's hook dict directly (``_add_grad_hook``).
+"""Issue 9: eager gradient observation fills a tensor's hook dict directly (``add_grad_hook``).
 
 It skips ``Tensor.register_hook``'s Python costs, so it must keep that method's semantics: the
 user's own tensor hooks on module outputs run as before and see what they saw without ampwatch
@@ -88,7 +88,7 @@ def test_the_observed_gradient_is_of_the_value_seen_when_registered():
     x = torch.randn(4, requires_grad=True)
     y = x * 2
     ours, users = [], []
-    observe._add_grad_hook(y, y.grad_fn, lambda g: ours.append(g.clone()))
+    observe.add_grad_hook(y, y.grad_fn, lambda g: ours.append(g.clone()))
     y.mul_(3)
     y.register_hook(lambda g: users.append(g.clone()))
     (y * torch.arange(4.0)).sum().backward()
@@ -103,7 +103,7 @@ def test_a_user_hook_dict_already_on_the_output_is_shared_not_replaced():
     y = x * 2
     calls = []
     y.register_hook(lambda g: calls.append("user") or g * 5)
-    observe._add_grad_hook(y, y.grad_fn, lambda g: calls.append(("ours", g.clone())))
+    observe.add_grad_hook(y, y.grad_fn, lambda g: calls.append(("ours", g.clone())))
     y.sum().backward()
     assert calls[0] == "user" and calls[1][0] == "ours"
     assert torch.equal(calls[1][1], torch.full((3,), 5.0))  # after the user's hook, as register_hook would

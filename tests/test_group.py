@@ -18,9 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 import ampwatch
-from ampwatch.cli import cli
-from ampwatch.group import load_groups
-from ampwatch.group_doctor import diagnose_group
+from ampwatch.cli.main import cli
+from ampwatch.jobs.group import load_groups
+from ampwatch.doctor.job import diagnose_group
 
 sys.path.insert(0, str(Path(__file__).parent))
 from groupjob import step_rows, write_rank  # noqa: E402

@@ -12,8 +12,8 @@ import plotly.io
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from ampwatch import figures
-from ampwatch.groupview import job_view
+from ampwatch.dashboard import figures
+from ampwatch.dashboard.ranks import job_view
 
 sys.path.insert(0, str(Path(__file__).parent))
 from groupjob import bad_batch_job  # noqa: E402

@@ -217,7 +217,7 @@ def test_bad_options_fail_when_the_callback_is_made():
 
 
 IMPORTS_NOTHING = """
-import sys, ampwatch, ampwatch.recorder, ampwatch.integrations
+import sys, ampwatch, ampwatch.record.watch, ampwatch.integrations
 heavy = sorted(m for m in ("transformers", "accelerate", "lightning", "pytorch_lightning") if m in sys.modules)
 assert not heavy, heavy
 """

@@ -175,7 +175,7 @@ def test_an_exception_in_fit_closes_the_run_as_crashed(tmp_path):
 
 
 def test_the_sample_run_records_through_the_callback(tmp_path):
-    from ampwatch.integrations.lightning_sample import record_sample
+    from ampwatch.samples.lightning_sample import record_sample
     path = record_sample(tmp_path / "lightning_fp16.sqlite", steps=12)
     run = ampwatch.load(path)
     assert run.info["framework"] == "lightning" and run.info["status"] == "finished"

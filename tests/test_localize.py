@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ampwatch
-from ampwatch.demo import TinyGPT, batches
+from ampwatch.samples.models import TinyGPT, batches
 from loops import amp_step, data, mlp
 
 
@@ -236,7 +236,7 @@ def test_localize_off_installs_no_module_hooks(tmp_path):
 
 
 def test_detach_removes_every_hook(tmp_path):
-    from ampwatch.demo import TinyGPT
+    from ampwatch.samples.models import TinyGPT
     model = TinyGPT(d=16, layers=1, heads=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]

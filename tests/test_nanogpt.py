@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ampwatch
-from ampwatch import figures, layerdata
+from ampwatch.dashboard import figures
+from ampwatch.dashboard import layerdata
 
 _spec = importlib.util.spec_from_file_location(
     "nanogpt_loop", Path(__file__).resolve().parents[1] / "examples" / "nanogpt_loop.py")

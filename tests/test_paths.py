@@ -11,7 +11,7 @@ import torch
 
 import ampwatch
 from ampwatch.errors import RunExistsError, RunPathIsFolderError
-from ampwatch.runinfo import names_rank, resolve_path
+from ampwatch.record.runinfo import names_rank, resolve_path
 from loops import train
 from test_distributed import _free_port
 

@@ -188,7 +188,7 @@ def test_layers_every_n_and_on_skipped_steps(tmp_path):
 
 
 def test_tied_weights_counted_once(tmp_path):
-    from ampwatch.demo import TinyGPT
+    from ampwatch.samples.models import TinyGPT
     model = TinyGPT(d=16, layers=1, heads=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with ampwatch.attach(model, opt, None, path=str(tmp_path / "r.sqlite")) as watch:

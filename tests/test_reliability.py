@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ampwatch
-from ampwatch.damage import damaged_tables
+from ampwatch.store.guard import damaged_tables
 from loops import amp_step, data, mlp, snapshot, changed
 
 TESTS = str(Path(__file__).parent)
@@ -108,7 +108,7 @@ def test_run_folder_removed_mid_run_warns_once_and_training_goes_on(tmp_path):
 
 READER = textwrap.dedent("""
     import os, sys, time, ampwatch
-    from ampwatch.summary import summarize
+    from ampwatch.doctor.summary import summarize
     path, stop = sys.argv[1], sys.argv[2]
     print("ready", flush=True)
     while not os.path.exists(stop):
@@ -202,15 +202,15 @@ def test_sigkill_inside_a_commit_keeps_every_earlier_commit(tmp_path):
 BIG_CLOSE = textwrap.dedent("""
     import os, socket, time, torch
     from ampwatch.record.packing import PackReader, StepPack
-    from ampwatch.schema import SCHEMA_VERSION
-    from ampwatch.writer import RunWriter, create_run_file
+    from ampwatch.store.schema import SCHEMA_VERSION
+    from ampwatch.store.writer import RunWriter, create_run_file
     P, N, path = 200, {steps}, {path!r}
     names = [{{"id": i, "kind": "param", "name": f"p{{i}}", "type": "float32", "numel": 10, "trainable": 1}}
              for i in range(P)]
     create_run_file(path, {{"name": "big", "status": "running", "started_at": time.time(), "pid": os.getpid(),
                            "hostname": socket.gethostname(), "layer_every": 1, "localize": 0,
                            "schema_version": SCHEMA_VERSION}}, names)
-    writer = RunWriter(path, PackReader([n["name"] for n in names], ["float32"] * P, [], [], 1), 1e9)
+    writer = RunWriter(path, PackReader([n["name"] for n in names], ["float32"] * P, [], [], 1).rows, 1e9)
     g = torch.Generator().manual_seed(0)
     for i in range(N):
         writer.put_step(StepPack(step=i, time=time.time(), duration_s=1e-3, lr=1e-3, micro_batches=1,
@@ -265,7 +265,7 @@ def test_a_copy_of_a_live_run_without_its_wal_holds_the_steps_so_far(tmp_path, m
     """User review: ``cp run.sqlite`` while training goes on, without ``run.sqlite-wal``, read as an
     empty run (SQLite folds the WAL into the file only every 1,000 pages). The writer now folds it in
     every CHECKPOINT_EVERY_S: the copy holds every step up to the last checkpoint."""
-    from ampwatch import writer
+    from ampwatch.store import writer
     monkeypatch.setattr(writer, "CHECKPOINT_EVERY_S", 0.2)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

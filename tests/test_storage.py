@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ampwatch
-from ampwatch.reader import STALE_AFTER_S, effective_status
-from ampwatch.schema import SCHEMA_VERSION
+from ampwatch.store.reader import STALE_AFTER_S, effective_status
+from ampwatch.store.schema import SCHEMA_VERSION
 from loops import amp_step, data, mlp, train
 
 TRAIN_FOREVER = textwrap.dedent("""
@@ -269,7 +269,7 @@ def _sql_count(path: Path) -> int:
 
 
 def test_reader_cannot_write(tmp_path):
-    from ampwatch.reader import connect
+    from ampwatch.store.reader import connect
     _, watch, _ = train(2, attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(tmp_path / "r.sqlite")))
     before = _digest(watch.path)
     with pytest.raises(ampwatch.RunError, match="readonly"):  # one line, like every read failure

@@ -1,11 +1,10 @@
-"""The doctor: a recorded run in, root causes with their consequences, evidence and a fix out
-(issues 5 and 10).
+"""The doctor: a recorded run in, root causes with their consequences, evidence and a fix out.
 
 Reads only the :class:`ampwatch.Run` it is given, read-only, and never imports torch. The package
 owns its vocabulary (:mod:`.finding`); the rules, with their thresholds and the reasons for them,
 live next to it (:mod:`.skips`, :mod:`.scale`, :mod:`.numerics`, :mod:`.signals`, :mod:`.misuse`);
 everything they read comes through :class:`.facts.Facts`; :mod:`.causes` attaches consequences to
-their root cause; :mod:`.report` writes it as text.
+their root cause; :mod:`ampwatch.cli.report` writes it as text.
 
 >>> for f in ampwatch.diagnose("sample_runs/diverged.sqlite"):
 ...     print(f.severity, f.cause or "ROOT", f.title)
@@ -14,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .finding import FP16_MAX, SEVERITIES, Finding, num, pct, span, worst
-from .report import format_report, health, health_line
+from .finding import FP16_MAX, SEVERITIES, Finding, health, num, pct, span, worst
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:
@@ -42,5 +40,5 @@ def diagnose(run: Any) -> list[Finding]:
         return group(sort_findings(findings), facts)
 
 
-__all__ = ["Finding", "diagnose", "format_report", "sort_findings", "health", "health_line", "worst",
+__all__ = ["Finding", "diagnose", "sort_findings", "health", "worst",
            "SEVERITIES", "FP16_MAX", "num", "pct", "span"]

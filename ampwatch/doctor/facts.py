@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable, Iterator, Optional
 
@@ -18,31 +17,16 @@ import numpy as np
 import pandas as pd
 
 from .finding import Finding
-from ..reader import connect
-from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from .warmup import nan_tail_start, warmup_of
+from ..store.reader import connect, decode_nan_mask
+from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
-# Warm-up: GradScaler starts at init_scale (2**16 by default; people pass 2**24) and halves on each
-# overflow until the gradients fit. So warm-up is exactly the leading run of skips, back to back from
-# the first step, while the scale falls from its initial value (docs/doctor.md). A skip after a clean
-# step is never warm-up: the gradients fitted at that scale once, so something changed (the scaler
-# grew it, the gradients grew, or a fault).
-# A diverged tail: NaN/inf loss on the last 3+ steps (one or two are an overflow the scaler may
-# still fix). Health rules judge only the steps before it; the divergence finding covers the rest.
-NAN_TAIL_MIN = 3
+# Warm-up and the diverged tail: one rule for the doctor, the summary and the dashboard (.warmup).
 
 # "Finite" in SQL: SQLite stores NaN as NULL (which fails every comparison) and keeps +-inf, which
 # falls outside this range.
 _FINITE = f"BETWEEN {-sys.float_info.max!r} AND {sys.float_info.max!r}"
 _NO_STEP = -(2 ** 62)  # a lower step bound below any real step
-
-
-@dataclass
-class Warmup:
-    first: int
-    last: int
-    skips: list[int]
-    scale_from: float
-    scale_to: float
 
 
 class Facts:
@@ -59,9 +43,9 @@ class Facts:
         self.last_step = int(self.steps["step"].max()) if len(self.steps) else 0
         self.fp16 = self.info.get("amp_dtype") == "float16"
         self.scaling = bool(self.info.get("scaler_enabled")) and self.steps["loss_scale"].notna().any()
-        self.nan_tail_start = self._nan_tail_start()
+        self.nan_tail_start = nan_tail_start(self.steps, self.has_loss)
         self.healthy_end = self.last_step if self.nan_tail_start is None else self.nan_tail_start - 1
-        self.warmup = self._warmup()
+        self.warmup = warmup_of(self.steps, self.events, self.scaling, self.healthy_end)
         # (module, phase) a finding is about, set by the rules: how consequences find their cause
         self.claims: dict[str, tuple[str, str]] = {}
 
@@ -77,12 +61,11 @@ class Facts:
 
     def _read_steps(self) -> tuple[pd.DataFrame, bool]:
         s = self._query("SELECT step, loss, loss_scale, skipped, grad_norm, nan_mask FROM steps ORDER BY step")
-        mask = s.pop("nan_mask").to_numpy()
+        mask = s["nan_mask"].to_numpy()
         # The loss is "logged" when any row holds one, or NaN (SQLite keeps NaN as NULL plus a bit):
         # an all-NaN loss is a run that was NaN from its first step, not one that never logged it.
         has_loss = bool(s["loss"].notna().any() or (mask & STEP_NAN_BITS["loss"]).any())
-        for col, bit in STEP_NAN_BITS.items():
-            s[col] = s[col].astype(float).where((mask & bit) == 0, float("nan"))
+        s = decode_nan_mask(s, STEP_NAN_BITS)
         s["loss_scale"] = s["loss_scale"].astype(float)
         s["skipped"] = s["skipped"].astype(bool)
         return s, has_loss
@@ -194,35 +177,6 @@ class Facts:
         start = self.warmup.last + 1 if self.warmup else self.first_step
         s = self.steps
         return s[(s["step"] >= start) & (s["step"] <= self.healthy_end)]
-
-    def _nan_tail_start(self) -> Optional[int]:
-        if not self.has_loss:
-            return None
-        finite = np.isfinite(self.steps["loss"].to_numpy(dtype=float))
-        n_bad = len(finite) - (int(np.flatnonzero(finite).max()) + 1 if finite.any() else 0)
-        if n_bad < NAN_TAIL_MIN:
-            return None
-        return int(self.steps["step"].iloc[len(finite) - n_bad])
-
-    def _warmup(self) -> Optional[Warmup]:
-        if not self.scaling or not len(self.steps) or not bool(self.steps["skipped"].iloc[0]):
-            return None
-        s = self.steps
-        step, scale = s["step"].to_numpy(), s["loss_scale"].to_numpy(dtype=float)
-        skipped = s["skipped"].to_numpy(dtype=bool)
-        ev = self.events
-        bad_fwd = set(ev.loc[ev["phase"].isin(["forward", "loss"]), "step"]) if len(ev) else set()
-        n = 0  # rows in the warm-up: contiguous skips, the scale never rising, no forward overflow
-        while (n < len(step) and skipped[n] and step[n] == step[0] + n and step[n] <= self.healthy_end
-               and int(step[n]) not in bad_fwd and scale[n] >= 1.0 and (n == 0 or scale[n] < scale[n - 1])):
-            n += 1
-        if not n:
-            return None
-        after = scale[n] if n < len(scale) else scale[n - 1] / 2
-        if not after < scale[0]:  # a warm-up is the scale backing off; without a drop it is something else
-            return None
-        skips = [int(x) for x in step[:n]]
-        return Warmup(self.first_step, skips[-1], skips, float(scale[0]), float(after))
 
     def origins(self, steps: Any) -> pd.DataFrame:
         """Where the non-finite values at ``steps`` were born, per (module, phase), most frequent first.

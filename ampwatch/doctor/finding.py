@@ -78,3 +78,13 @@ def pct(part: float, whole: float) -> str:
 
 def span(first: int, last: int) -> str:
     return f"step {first:,}" if first == last else f"steps {first:,}-{last:,}"
+
+
+def health(findings: list[Finding]) -> str:
+    """``ok`` when nothing is above info, else the worst severity and the first root cause's title:
+    ``error: Inf born in h.0.mlp.fc (Linear, forward) at step 40``."""
+    sev = worst(findings)
+    if sev in (None, "info"):
+        return "ok"
+    first = next(f for f in findings if f.cause is None and f.severity == sev)
+    return f"{sev}: {first.title}"

@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 
 from .finding import Finding, num, span
-from ..reader import clip_threshold
+from ..store.reader import clip_threshold
 from .facts import Facts
 
 

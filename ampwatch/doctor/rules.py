@@ -1,4 +1,4 @@
-"""The doctor's rules: each is a pure function ``Facts -> list[Finding]`` (issues 5, 10).
+"""The doctor's rules: each is a pure function ``Facts -> list[Finding]``.
 
 Grouped by theme: :mod:`.skips` (warm-up, probing, recurring overflow, lone skips: every skipped
 step explained), :mod:`.scale` (collapse, stuck scale),
@@ -22,7 +22,7 @@ from .origins import WEIGHT_JUMP, origin_advice, weight_jump
 from .scale import COLLAPSE_STREAK, STUCK_HEADROOM, STUCK_MIN_STEPS, scale_collapse, scale_stuck_low
 from .skips import (PROBE_RATE_WARN, SAME_ORIGIN_MIN, SKIP_MIN_COUNT, SKIP_MIN_STEPS, SKIP_RATE_ERROR,
                     SKIP_RATE_WARN, lone_skips, recurring_overflow, scale_probing, warmup_skips)
-from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDOW, _outliers, divergence,
+from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDOW, outliers, divergence,
                       grad_norm_explosion, loss_spike)
 
 # The order rules run in; causes.group() decides the report order.
@@ -33,7 +33,7 @@ RULES: list[Callable[[Facts], list[Finding]]] = [
     misuse_notices,
 ]
 
-__all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "_outliers",
+__all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "outliers",
            "SKIP_RATE_WARN", "SKIP_RATE_ERROR", "PROBE_RATE_WARN", "SAME_ORIGIN_MIN", "SKIP_MIN_COUNT", "SKIP_MIN_STEPS", "COLLAPSE_STREAK",
            "STUCK_HEADROOM", "STUCK_MIN_STEPS", "UNDERFLOW_SCALED_AMAX", "UNDERFLOW_EXCESS",
            "UNDERFLOW_MIN_FRAC", "HEADROOM_FACTOR", "HEADROOM_MIN_ROWS", "FP32_MODULE_TYPES",

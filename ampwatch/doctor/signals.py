@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from .finding import Finding, num
-from ..reader import clip_threshold
+from ..store.reader import clip_threshold
 from .facts import Facts
 from .origins import describe_origins, origin_advice
 
@@ -33,7 +33,7 @@ RISE_RATIO, RISE_GIVEBACK = 1.5, 0.5
 RISE_MIN_STEPS = 50
 
 
-def _outliers(steps: pd.Series, values: pd.Series, z: float, ratio: float, over_max: float) -> list[tuple]:
+def outliers(steps: pd.Series, values: pd.Series, z: float, ratio: float, over_max: float) -> list[tuple]:
     """(step, value, median, ratio) of robust upward outliers against the previous OUTLIER_WINDOW.
 
     The spread is the trailing median of each point's absolute deviation from its own trailing
@@ -96,7 +96,7 @@ def loss_spike(facts: Facts) -> list[Finding]:
     """Warning: loss values far above the median of the previous steps (median/MAD)."""
     s = facts.steps[facts.steps["step"] <= facts.healthy_end]
     s = s[np.isfinite(s["loss"].astype(float))]
-    hits = _outliers(s["step"], s["loss"], **LOSS_SPIKE)
+    hits = outliers(s["step"], s["loss"], **LOSS_SPIKE)
     clip = clip_threshold(facts.info)
     advice = ("Look at the batches of these steps (corrupt or outlier samples, a data-loader bug); "
               "a lower learning rate or a longer warm-up helps"
@@ -109,7 +109,7 @@ def grad_norm_explosion(facts: Facts) -> list[Finding]:
     """Warning: gradient norms (unscaled, before clipping) far above their recent median."""
     s = facts.steps[(facts.steps["step"] <= facts.healthy_end) & ~facts.steps["skipped"]]
     s = s[np.isfinite(s["grad_norm"].astype(float))]
-    hits = _outliers(s["step"], s["grad_norm"], **GRAD_SPIKE)
+    hits = outliers(s["step"], s["grad_norm"], **GRAD_SPIKE)
     median = float(s["grad_norm"].median()) if len(s) else float("nan")
     clip = clip_threshold(facts.info)
     advice = (f"Clip gradients after unscaling: scaler.unscale_(optimizer); "

@@ -15,7 +15,7 @@ import traceback
 from types import ModuleType
 from typing import Any, Optional
 
-from ..settings import resolve
+from ..record.options import resolve
 
 _RUN_KEYWORDS = ("name", "config")
 
@@ -54,7 +54,7 @@ def run_path(path: Optional[str], first: Any) -> Optional[str]:
     ``train()``/``fit()`` gets its own file, and ``callback.watch.path`` says which."""
     if path is None or first is None:
         return path
-    from ..runinfo import next_free
+    from ..record.runinfo import next_free
     return str(next_free(first))
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import probes
+from ..record import torch_access
 from . import attach_options, check_options, format_error, note_amp_dtype, plain, require, run_path
 
 pl = require("lightning.pytorch", "lightning")
@@ -88,8 +88,8 @@ class AmpwatchCallback(pl.Callback):
             return
         if self._losses:  # before scaler.step()/optimizer.step(), inside which the watch ends the step
             loss = torch.stack(self._losses).float().mean() * self._accumulation
-            if probes.scaler_enabled(watch.scaler):
-                scale = probes.scale_tensor(watch.scaler)  # update() has not run: the window's scale
+            if torch_access.scaler_enabled(watch.scaler):
+                scale = torch_access.scale_tensor(watch.scaler)  # update() has not run: the window's scale
                 if scale is not None:
                     loss = loss / scale
             watch.log(loss=loss)

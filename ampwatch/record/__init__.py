@@ -1,7 +1,11 @@
-"""The recording side: the only torch-heavy, hot-path code.
+"""Everything that runs inside training: the only torch-heavy, hot-path code.
 
-watch.py (Watch: attach/log/close, step moments) · scaler.py (GradScaler hooks) · grads.py
-(gradient norms and detail) · observe.py (module observation: static slots, one stats buffer, the
-``ampwatch::observe`` op) · step.py (one flat tensor and one transfer per step) · packing.py and
-origins.py (the writer thread's side: rows and origin analysis).
+watch.py (Watch: attach/log/close, step moments) · options.py (attach's options, one table) ·
+runinfo.py (what a run is, gathered at attach) · scaler.py (GradScaler hooks) · clipping.py (the
+clip threshold) · grads.py (gradient norms and detail) · observe.py and slots.py (module observation:
+static slots, one stats buffer, the ``ampwatch::observe`` op) · backward.py (when a backward pass
+ends) · replay.py (localizing a skipped step by replaying it) · recompute.py (the fp32
+counterfactual) · step.py (one flat tensor and one transfer per step) · packing.py and origins.py
+(the writer thread's side: rows and origin analysis) · torch_access.py (the one place that reads
+torch objects' state, private attributes included, with public fallbacks).
 """

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import probes
+from . import torch_access
 
 
 class GradMeter:
@@ -22,7 +22,7 @@ class GradMeter:
         self.params = params
         self.device = device
         self.pack_dtype = pack_dtype
-        self.reads_free = probes.reads_are_free(device)
+        self.reads_free = torch_access.reads_are_free(device)
         self.reset()
 
     def reset(self) -> None:
@@ -48,13 +48,13 @@ class GradMeter:
                 grads.append(g)
         known_finite = None
         if self.reads_free:
-            norms = probes.tensor_norms_read(grads, self.device)
+            norms = torch_access.tensor_norms_read(grads, self.device)
             if inv_scale is not None:
                 norms = [v * inv_scale for v in norms]  # in float64
             known_finite = [math.isfinite(v) for v in norms]
             self._bad = not all(known_finite)
         else:
-            norms = probes.tensor_norms(grads, self.device)
+            norms = torch_access.tensor_norms(grads, self.device)
             if inv_scale is not None:
                 norms = norms * inv_scale
         self.norms, self.norm_ids = norms, ids
@@ -75,14 +75,14 @@ class GradMeter:
         params = [self.params[i] for i in self.norm_ids]
         grads = [p.grad for p in params]
         if self.reads_free:
-            detail: Any = probes.tensor_details_read(grads, params, known_finite)
+            detail: Any = torch_access.tensor_details_read(grads, params, known_finite)
             if inv_scale is not None:
                 detail[0::5] = [v * inv_scale for v in detail[0::5]]
         else:
             if counts:
-                detail = probes.tensor_details(grads, params, self.device, self.pack_dtype, known_finite)
+                detail = torch_access.tensor_details(grads, params, self.device, self.pack_dtype, known_finite)
             else:
-                detail = probes.tensor_details_foreach(grads, params, self.device, self.pack_dtype)
+                detail = torch_access.tensor_details_foreach(grads, params, self.device, self.pack_dtype)
             if inv_scale is not None:
                 detail[:, 0] *= inv_scale
         self.detail, self.detail_ids = detail, list(self.norm_ids)
@@ -99,7 +99,7 @@ class GradMeter:
             before = math.sqrt(sum(v * v for v in self.norms))
         else:
             before = float(self.norms.double().norm())
-        after = float(probes.tensor_norms(grads, self.device).double().norm())
+        after = float(torch_access.tensor_norms(grads, self.device).double().norm())
         if math.isfinite(before) and math.isfinite(after) and after < 0.99 * before:
             return before, after
         return None

@@ -21,7 +21,7 @@ Python bookkeeping and call the op ``ampwatch::observe`` (registered as a side e
 compilers keep it; its body reduces the tensor at run time with one launch), so Dynamo traces them
 into the graph with no graph break; gradients are observed with
 ``Tensor.register_hook``, which Dynamo also traces (eager fills the same hook dict without the
-public method's Python costs, :func:`_add_grad_hook`: the same gradient, at a fifth of the host cost).
+public method's Python costs, :func:`add_grad_hook`: the same gradient, at a fifth of the host cost).
 
 Where reads are free (CPU) the stats live on the host instead (:mod:`.hoststats`): a hook queues
 its tensor; at the flush one ``aminmax`` per tensor is read into an array of doubles, which the
@@ -29,7 +29,7 @@ step pack copies whole; nothing else touches a tensor. Writing each result into 
 buffer row (``out=`` views) and reading it back cost three times as much host time, and each op
 costs ~15 us inside a training step on the CPU.
 
-Micro-batches (issue 12: which one a value went non-finite in) cost nothing on a step with one
+Micro-batches (which one a value went non-finite in) cost nothing on a step with one
 forward pass of the root module. On a step with k, each new root call marks, in one small per-slot
 tensor, the slots that went non-finite during the previous micro-batch (a fixed handful of ops per
 micro-batch, none per module call); a slot bad at the end and not marked went bad in the last one.
@@ -48,15 +48,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .. import probes
+from . import torch_access
 from .batched import BatchedReducer
 from .hoststats import HostQueue, HostStats
+from .slots import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
 
-IN, OUT, GIN, GOUT = range(4)
-ROLES = 4
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
 DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
-DTYPE_NAMES = tuple(str(dt).replace("torch.", "") for dt in DTYPES)
 
 
 _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the op
@@ -133,25 +131,25 @@ _keep_in_graphs(torch.ops.ampwatch.observe.default)
 _compiling = torch.compiler.is_compiling
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def nested_tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     """Floating-point tensors inside a module's inputs/outputs (tuples, lists, dicts, HF outputs)."""
-    for t in probes.nested_tensors(obj):  # a plain generator, as Dynamo traces it in compiled hooks
+    for t in torch_access.nested_tensors(obj):  # a plain generator, as Dynamo traces it in compiled hooks
         if t.dtype in DTYPE_INDEX and t.numel() > 0:
             yield t
 
 
-def _tensor_list(obj: Any) -> list[torch.Tensor]:
+def tensor_list(obj: Any) -> list[torch.Tensor]:
     if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
         return [obj] if obj.dtype in DTYPE_INDEX and obj.numel() > 0 else []
-    return list(_tensors(obj))
+    return list(nested_tensors_of(obj))
 
 
 def _inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:
     """A call's floating inputs, positional then keyword (the positions aliases are keyed by)."""
-    return _tensor_list(args[0]) if len(args) == 1 and not kwargs else _tensor_list(args) + _tensor_list(kwargs)
+    return tensor_list(args[0]) if len(args) == 1 and not kwargs else tensor_list(args) + tensor_list(kwargs)
 
 
-def _add_grad_hook(t: torch.Tensor, node: Any, hook: Any) -> None:
+def add_grad_hook(t: torch.Tensor, node: Any, hook: Any) -> None:
     """``t.register_hook(hook)`` for a non-leaf ``t`` of ``node``, without its Python costs (a
     RemovableHandle, an OrderedDict created per tensor, torch-function checks: ~8 us of host time
     per tensor inside a training step, where it runs for every module output). It fills the same
@@ -254,7 +252,7 @@ class ModuleObserver:
             self.types.append(type(module).__name__)
         self.modules = modules
         self.slots = ROLES * len(modules)
-        self._reads_free = self.host_stats = probes.reads_are_free(device)
+        self._reads_free = self.host_stats = torch_access.reads_are_free(device)
         self._id = id(self)
         _OBSERVERS[self._id] = self
         if self._reads_free:  # CPU: stats on the host, read as they are made
@@ -382,7 +380,7 @@ class ModuleObserver:
             if node is None:  # a leaf
                 t.register_hook(hook)
             else:
-                _add_grad_hook(t, node, hook)
+                add_grad_hook(t, node, hook)
         return bad
 
     def _new_step(self) -> None:
@@ -557,7 +555,7 @@ class ModuleObserver:
         if d is None:
             return False
         if type(t) is not torch.Tensor:  # a DTensor is reduced on this rank's shard: no collective
-            t = probes.local(t.detach())
+            t = torch_access.local(t.detach())
             if t.numel() == 0:
                 return False
         self._wrote = True
@@ -653,7 +651,7 @@ class ModuleObserver:
             return
         if _compiling():
             ins = [] if index in self._pre else _inputs(args, kwargs)
-            outs = _tensor_list(output)
+            outs = tensor_list(output)
             self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
             return
         if not self.observing:
@@ -662,7 +660,7 @@ class ModuleObserver:
         if not grad and torch.is_inference_mode_enabled():  # inference mode disables grad
             return
         try:
-            outputs = _tensor_list(output)
+            outputs = tensor_list(output)
             self._calls += 1
             learning = self._learning
             tensors = None

@@ -1,6 +1,6 @@
 """Which module is the origin of a non-finite value: pure Python over one step's slot values.
 
-Runs in the writer thread. Input: per slot (see :mod:`.observe`) the min/max per dtype, the learned
+Runs in the writer thread. Input: per slot (see :mod:`.slots`) the min/max per dtype, the learned
 input and output aliases, the learned forward order, where reads were free exact NaN/inf counts, and on steps of
 several micro-batches the micro-batch each slot first went non-finite in.
 """
@@ -10,9 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .observe import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
-
-FORWARD, BACKWARD = "forward", "backward"
+from .slots import BACKWARD, DTYPE_NAMES, FORWARD, GIN, GOUT, IN, OUT, ROLES
 
 
 @dataclass

@@ -13,8 +13,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import observe, origins
-from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from . import observe
+
+from . import origins
+from ..store.rows import Rows
+from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 
 @dataclass
@@ -38,22 +41,6 @@ class StepPack:
     exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
     host_stats: bool = False           # the module stats are hoststats.HostStats' doubles (free reads)
     scalars: Optional[list[float]] = None  # free reads: the scalars as read (then flat holds only the stats)
-
-
-@dataclass
-class Rows:
-    steps: list[tuple] = field(default_factory=list)
-    layers: list[tuple] = field(default_factory=list)
-    modules: list[tuple] = field(default_factory=list)
-    events: list[tuple] = field(default_factory=list)
-    metrics: list[tuple] = field(default_factory=list)
-
-    def extend(self, other: "Rows") -> None:
-        for name in ("steps", "layers", "modules", "events", "metrics"):
-            getattr(self, name).extend(getattr(other, name))
-
-    def count(self) -> int:
-        return sum(len(getattr(self, n)) for n in ("steps", "layers", "modules", "events", "metrics"))
 
 
 def _nullable(x: Optional[float]) -> Optional[float]:
@@ -143,7 +130,7 @@ class PackReader:
 
     def _grad_name(self, analysis: "_Analysis", pid: int) -> str:
         """The name of a parameter with a non-finite gradient; for a tied one, the name under the
-        module whose backward produced it when the module hooks tell (issue 13: nanoGPT's
+        module whose backward produced it when the module hooks tell (nanoGPT's
         ``lm_head.weight``, not ``transformer.wte.weight``, whose embedding runs in fp32)."""
         owners = self.tied.get(pid)
         if not owners:

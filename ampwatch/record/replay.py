@@ -34,9 +34,9 @@ from typing import Any, Optional
 
 import torch
 
-from .. import probes
-from ..backward import _outputs as backward_outputs
-from .observe import _add_grad_hook
+from . import torch_access
+from .backward import grad_outputs_of as backward_outputs
+from .observe import add_grad_hook
 
 MAX_BATCHES = 1024  # root forwards kept per step, at most
 
@@ -44,7 +44,7 @@ MAX_BATCHES = 1024  # root forwards kept per step, at most
 def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, fused: bool,
              reads_free: bool) -> bool:
     """Whether a skipped step of this training can be replayed (see the module docstring)."""
-    if reads_free or scaler is None or fused or not probes.scaler_enabled(scaler):
+    if reads_free or scaler is None or fused or not torch_access.scaler_enabled(scaler):
         return False
     wrapped = {"DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"}
     if any(type(m).__name__ in wrapped or type(m).__name__.startswith("FSDP") for m in model.modules()):
@@ -75,7 +75,7 @@ class _MicroBatch:
 
 
 def _arg_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    return [t for t in probes.nested_tensors(args)] + [t for t in probes.nested_tensors(kwargs)]
+    return [t for t in torch_access.nested_tensors(args)] + [t for t in torch_access.nested_tensors(kwargs)]
 
 
 def _grad_outputs(output: Any) -> list[torch.Tensor]:
@@ -154,7 +154,7 @@ class Replayer:
             internal = self._internal[len(outputs)] = _internal(outputs) if len(outputs) > 1 else set()
         for pos, t in enumerate(outputs):
             if pos not in internal:
-                _add_grad_hook(t, t.grad_fn, partial(_keep_grad, batch.grads, pos))
+                add_grad_hook(t, t.grad_fn, partial(_keep_grad, batch.grads, pos))
 
     def clear(self) -> None:
         """The step ended: its references go."""

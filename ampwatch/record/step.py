@@ -49,7 +49,7 @@ def _transfer(flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any]:
 
 
 def step_loss(watch: Any, host: bool = False) -> Optional[torch.Tensor]:
-    """The loss a user means (issue 13): the mean of what ``watch.log(loss=...)`` got, else the SUM of
+    """The loss a user means: the mean of what ``watch.log(loss=...)`` got, else the SUM of
     what ``scaler.scale()`` got over the step's micro-batches, i.e. the objective whose gradient the
     step applies (with nanoGPT's ``loss / k`` that is the mean micro-batch loss). No sync.
     ``host``: it is read on the host next, so one loss need not be moved to the device first."""

@@ -21,12 +21,14 @@ from typing import Any, Optional
 
 import torch
 
-from .. import clipwatch, probes
-from ..backward import BackwardEnd
-from ..counterfactual import check_step
-from ..runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
-from ..settings import resolve
-from ..writer import RunWriter
+from . import clipping
+
+from . import torch_access
+from .backward import BackwardEnd
+from .recompute import check_step
+from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
+from .options import resolve
+from ..store.writer import RunWriter
 from .grads import GradMeter
 from . import replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
@@ -91,13 +93,13 @@ class Watch:
         self._probes: list[Any] = []         # the autocast probes' handles (step 0 only, in eager)
         self._probe_objects: list[_AutocastProbe] = []
         self._params, names = parameter_table(model, self.optimizer)
-        self._param_numel = {i: probes.local(p).numel() for i, p in enumerate(self._params)}  # this rank's
+        self._param_numel = {i: torch_access.local(p).numel() for i, p in enumerate(self._params)}  # this rank's
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._device = self._params[0].device if self._params else torch.device("cpu")
-        self._pack_dtype = probes.pack_dtype(self._device)
-        self._reads_free = probes.reads_are_free(self._device)  # fixed for the run: asked once
-        self._scale_reads = probes.ScaleReads()  # the scale as a float, read again only when it changed
-        self._fused = probes.steps_inside_kernel(self.optimizer)
+        self._pack_dtype = torch_access.pack_dtype(self._device)
+        self._reads_free = torch_access.reads_are_free(self._device)  # fixed for the run: asked once
+        self._scale_reads = torch_access.ScaleReads()  # the scale as a float, read again only when it changed
+        self._fused = torch_access.steps_inside_kernel(self.optimizer)
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
         self.step = 0
@@ -130,7 +132,7 @@ class Watch:
 
     # -- setup ----------------------------------------------------------------------------------
     def _open_writer(self, info: dict, names: list[dict]) -> None:
-        from ..writer import create_run_file
+        from ..store.writer import create_run_file
         from .packing import PackReader
         module_names: list[str] = []
         if self.options["localize"]:
@@ -138,7 +140,7 @@ class Watch:
             self.observer.on_error = self._fail
             module_names = self.observer.names
             if self.options["fp32_check"]:
-                from ..counterfactual import InputKeeper
+                from .recompute import InputKeeper
                 self.observer.keeper = InputKeeper(self.observer)
             if self.options["replay"] and replay.possible(_uncompiled(self.model), self._params, self.scaler,
                                                           self._fused, self._reads_free):
@@ -160,7 +162,7 @@ class Watch:
             from ..trackers.live import open_mirror
             mirror = open_mirror(self.options["mirror"], packs.param_names, packs.module_ids,
                                  self.observer.types if self.observer else [], str(self.path))
-        self.writer = RunWriter(str(self.path), packs, self.options["flush_every_s"], on_commit=mirror)
+        self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"], on_commit=mirror)
         log.info("recording to %s", self.path)
 
     def _install(self) -> None:
@@ -178,7 +180,7 @@ class Watch:
                                     self.guarded(self._on_backward_end))
         if self._scaler_hooks is not None:
             self._scaler_hooks.install()
-        clipwatch.listen(self)
+        clipping.listen(self)
 
     def guarded(self, fn: Any) -> Any:
         """``fn`` made safe for training: an internal failure warns once and stops recording."""
@@ -243,7 +245,7 @@ class Watch:
         if id(first) not in self._param_index:
             return  # another model's clip
         if isinstance(max_norm, torch.Tensor):
-            if not probes.reads_are_free(max_norm.device):
+            if not torch_access.reads_are_free(max_norm.device):
                 return  # reading it would sync; the dashboard falls back to the config keys
             max_norm = max_norm.item()
         if not isinstance(max_norm, (int, float)) or max_norm == self._max_norm:
@@ -262,10 +264,10 @@ class Watch:
     def _on_backward_end(self) -> None:
         """Measure gradients as backward leaves them: before any user clipping, with or without a
         scaler (dividing by the scale they carry). With accumulation the last micro-batch wins."""
-        scaling = self.scaler is not None and probes.scaler_enabled(self.scaler)
-        if scaling and probes.optimizer_stage_unscaled(self.scaler, self.optimizer):
+        scaling = self.scaler is not None and torch_access.scaler_enabled(self.scaler)
+        if scaling and torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer):
             return  # backward after unscale_ (unusual): leave it to the step-time measurement
-        inv_scale = probes.inverse_scale(self.scaler, self._reads_free, self._scale_reads) if scaling else None
+        inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads) if scaling else None
         if scaling and inv_scale is None:
             return
         detail = self._detail_step()
@@ -309,15 +311,15 @@ class Watch:
                                    "scaler.step() was called again before scaler.update()")
             self.end_step(None, None)
         self.state.scaler_stepped = True
-        if (self._fused and probes.scaler_enabled(self.scaler)
-                and not probes.optimizer_stage_unscaled(self.scaler, self.optimizer)):
+        if (self._fused and torch_access.scaler_enabled(self.scaler)
+                and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer)):
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
-            inv_scale = probes.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
+            inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
             if inv_scale is not None:
                 self.grads.measure(self._detail_step(), inv_scale=inv_scale)
 
     def after_scaler_step(self) -> None:
-        skipped = probes.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
+        skipped = torch_access.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
         if skipped:
             # known without a sync: GradScaler did not call optimizer.step(). A bad step: pay for counts.
             self.grads.measure(self._detail_step())
@@ -360,14 +362,14 @@ class Watch:
     def before_update(self) -> Optional[tuple]:
         if not self.state.scaler_stepped:
             return None
-        if not probes.scaler_enabled(self.scaler):
+        if not torch_access.scaler_enabled(self.scaler):
             return None, None
         # the scale this step's grads carried (copied: update() changes it in place), and with fused
         # optimizers the inf flags: device tensors, no sync
-        found = probes.found_inf(self.scaler, self.optimizer) if self._fused else None
+        found = torch_access.found_inf(self.scaler, self.optimizer) if self._fused else None
         if self._reads_free:  # read now: a float needs no copy to survive update()
             return self._scale_reads.value(self.scaler), found
-        return probes.scale_snapshot(self.scaler, self._pack_dtype), found
+        return torch_access.scale_snapshot(self.scaler, self._pack_dtype), found
 
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -439,7 +441,7 @@ class Watch:
         self._handles.clear()
         self._remove_probes()
         self._probe_objects = []
-        clipwatch.stop(self)
+        clipping.stop(self)
         if self._trigger is not None:
             self._trigger.remove()
         if self._scaler_hooks is not None:

@@ -22,7 +22,7 @@ def export_run(run: Any, sink: Any) -> Exported:
     """Every step, per-layer norm, headroom, notice and doctor finding of ``run`` (an
     :class:`ampwatch.Run`) into ``sink``, which is closed afterwards, also on failure."""
     from ..doctor import diagnose
-    from ..reader import connect
+    from ..store.reader import connect
     done = Exported()
     try:
         with connect(run.path) as conn:
@@ -51,7 +51,7 @@ def export_paths(path: str, to: str, out: Optional[str], make_folder: Callable[[
     bad PATH or --out, before anything is written, and ``TrackerUnavailable`` (as a RunError line
     by the CLI) for a tracker that is not installed."""
     from . import TrackerUnavailable, export_sink
-    from ..reader import Run
+    from ..store.reader import Run
     if to == "tensorboard" and out is None:
         raise OutputError("--to tensorboard needs --out LOGDIR: the log folder to write into")
     if to != "tensorboard" and out is not None:
@@ -94,10 +94,10 @@ def _label(name: str) -> str:
 def _runs_of(path: Path) -> tuple[list[tuple[str, Path]], list[str]]:
     """``[(label, file)]`` to export and the reasons files of a folder cannot be; a single file is
     its own label (its run's name)."""
-    from ..reader import Run
+    from ..store.reader import Run
     if not path.is_dir():
         return [(_label(Run(path).name), path)], []
-    from ..group import load_groups
+    from ..jobs.group import load_groups
     runs, problems = [], []
     for group in load_groups(path):
         problems.extend(u.reason for u in group.unreadable)

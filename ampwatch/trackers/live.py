@@ -89,7 +89,7 @@ class _Findings:
         if self._broken or (not final and self._clock() < self._next):
             return []
         from ..doctor import diagnose
-        from ..reader import Run
+        from ..store.reader import Run
         started = self._clock()
         try:
             findings = diagnose(Run(self.run_path))

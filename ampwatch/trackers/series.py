@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from ..doctor.finding import FP16_MAX
 from ..doctor.numerics import FP32_MODULE_TYPES
-from ..schema import LAYER_NAN_BITS, STEP_NAN_BITS
+from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 PREFIX = "amp/"
 LOSS, SCALE, SKIPPED, GRAD_NORM, LR = (PREFIX + t for t in ("loss", "loss_scale", "skipped", "grad_norm", "lr"))

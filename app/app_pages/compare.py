@@ -3,7 +3,7 @@ import pandas as pd
 import streamlit as st
 
 import shared
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 st.title("Compare runs")
 if st.session_state.get("_run") is None:  # no folder, or a folder without runs: say which

@@ -2,8 +2,8 @@
 import streamlit as st
 
 import shared
-from ampwatch import figures
-from ampwatch.layerdata import LAYER_METRICS, grid_frame
+from ampwatch.dashboard import figures
+from ampwatch.dashboard.layerdata import LAYER_METRICS, grid_frame
 
 path, key, row = shared.page_run()
 st.title(f"Layers · {row['name']}")

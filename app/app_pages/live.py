@@ -10,7 +10,7 @@ from datetime import timedelta
 import streamlit as st
 
 import shared
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 path = shared.require_run()
 if path is None:

@@ -3,7 +3,7 @@ import streamlit as st
 
 import headlines
 import shared
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 path, key, row = shared.page_run()
 st.title(f"{row['name']}")

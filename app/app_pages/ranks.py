@@ -2,7 +2,7 @@
 import streamlit as st
 
 import shared
-from ampwatch import figures
+from ampwatch.dashboard import figures
 
 path, key, row = shared.page_run()
 folder = st.session_state["_folder"]

@@ -1,0 +1,321 @@
+"""The `ampwatch` command line. Thin: parse, call the library, print. Bad input: one line, exit 2."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from ..errors import OutputError, RunError
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _load(path: str):
+    from ..store.reader import Run
+    return Run(path)
+
+
+def _output_folder(out: str) -> Path:
+    """``out``, created if missing and proved writable (one throwaway file), else one OutputError
+    line: checked before any work, so a bad --out costs nothing and leaves nothing half-written."""
+    if not out:  # Path("") would be the current folder
+        raise OutputError("--out is empty: pass the folder to write into (it is created if missing)")
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise OutputError(f"--out {out!r} is a file, not a folder: pass a folder (it is created if missing)")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=target).close()
+    except OSError as exc:
+        raise OutputError(f"cannot write into --out {out!r} ({exc.strerror or exc}): "
+                          "pass a folder you can write to") from None
+    return target
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (RunError, OutputError) as exc:  # the one-line contract for bad input
+            click.echo(f"ampwatch: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="ampwatch")
+def cli() -> None:
+    """ampwatch: look inside mixed-precision training runs.
+
+    \b
+    Example:
+        ampwatch summary runs/exp1.sqlite
+    """
+
+
+@cli.command()
+@click.argument("path")
+def summary(path: str) -> None:
+    """Headline figures of one run: steps, skips, loss, scale, grad norms.
+
+    PATH may be a folder: the rank files of a distributed job are reported once, as a job (figures
+    across ranks, per-rank lines where the ranks differ); other runs one by one.
+
+    \b
+    Example:
+        ampwatch summary sample_runs/overflow_storm.sqlite
+        ampwatch summary runs/ddp_job/
+    """
+    from ..doctor.summary import summarize
+    if not Path(path).is_dir():
+        run = _load(path)
+        click.echo(_summary_text(summarize(run), run.path.name))
+        return
+    from ..jobs.group import load_groups
+    from .job_report import format_job_summary
+    status, blocks = 0, []
+    for group in load_groups(path):
+        if not group.paths:  # a file that is no run and belongs to no job
+            status = 2
+            for u in group.unreadable:
+                click.echo(f"ampwatch: {u.reason}", err=True)
+            continue
+        status = 2 if group.unreadable else status
+        if group.world_size > 1 or len(group.paths) > 1:
+            blocks.append(format_job_summary(group))  # names its unreadable rank files itself
+        else:
+            for u in group.unreadable:  # the other runs are still summarised
+                click.echo(f"ampwatch: {u.reason}", err=True)
+            run = _load(str(next(iter(group.paths.values()))))
+            blocks.append(_summary_text(summarize(run), run.path.name))
+    click.echo("\n\n".join(blocks))
+    sys.exit(status)
+
+
+def _summary_text(s: dict, file: str) -> str:
+    """``file``: the run file's name; a run's name need not be its file's (a renamed copy)."""
+    return "\n".join([
+        f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})  file {file}",
+        f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)",
+        f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}",
+        f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}",
+        f"nonfinite first at step {_fmt(s['first_nonfinite_step'])}  "
+        f"(loss first NaN/inf at step {_fmt(s['first_nonfinite_loss_step'])})",
+        f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
+        f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}"]
+        + [f"{'crashed' if i == 0 else '':<8} {line}" for i, line in enumerate(s.get("error_tail") or [])])
+
+
+@cli.command(name="ls")
+@click.argument("folder", default="runs")
+def ls_(folder: str) -> None:
+    """One line per run in FOLDER (default: runs): name, status, steps, skipped %, last loss, health.
+
+    Health is the doctor's verdict: the worst severity and the first root cause's headline, or "ok"
+    when nothing is above info.
+
+    \b
+    Example:
+        ampwatch ls sample_runs
+    """
+    from ..doctor import diagnose, health
+    from ..store.reader import find_runs
+    from ..doctor.summary import summarize
+    paths = find_runs(folder)
+    click.echo(f"{'name':<28} {'status':<12} {'steps':>8} {'skipped%':>9} {'last loss':>10}  health")
+    for path in paths:
+        try:
+            run = _load(str(path))
+            s = summarize(run)
+            verdict = health(diagnose(run))
+        except RunError as exc:
+            click.echo(f"{path.name:<28} unreadable: {exc}")
+            continue
+        # a renamed copy keeps its run's name: say which file it is
+        name = s["name"] if path.stem == s["name"] else f"{s['name']} ({path.name})"
+        click.echo(f"{name:<28} {s['status']:<12} {s['steps']:>8} {s['skipped_pct']:>9.1f} "
+                   f"{_fmt(s['loss_last']):>10}  {verdict}")
+
+
+@cli.command()
+@click.argument("path")
+@click.option("--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True)
+@click.option("--to", "to", type=click.Choice(["tensorboard", "mlflow", "wandb"]), default=None,
+              help="write into a tracker instead: AMP series under amp/ at their true steps, findings as text "
+                   "(PATH may be a folder of runs)")
+@click.option("--out", "out", help="folder to write into (created if missing); with --to tensorboard: the log "
+                                   "folder (one subfolder per run); required except for --to mlflow/wandb")
+def export(path: str, fmt: str, to: Optional[str], out: Optional[str]) -> None:
+    """Write a run's steps, layers, modules, events and metrics as CSV or Parquet files, or
+    (--to) into TensorBoard, MLflow or Weights & Biases.
+
+    MLflow uses MLFLOW_TRACKING_URI (and MLFLOW_EXPERIMENT_NAME); W&B its own environment
+    (WANDB_PROJECT, WANDB_MODE=offline, ...).
+
+    \b
+    Example:
+        ampwatch export runs/exp1.sqlite --format csv --out exported/
+        ampwatch export runs/ --to tensorboard --out tb_logs/
+        MLFLOW_TRACKING_URI=sqlite:///mlflow.db ampwatch export runs/exp1.sqlite --to mlflow
+    """
+    if to is not None:
+        if click.get_current_context().get_parameter_source("fmt").name == "COMMANDLINE":
+            raise click.UsageError("--format is for files; --to writes into a tracker: pass one of them")
+        from ..trackers.export import export_paths
+        status = 0
+        for ok, line in export_paths(path, to, out, _output_folder):
+            click.echo(line if ok else f"ampwatch: {line}", err=not ok)
+            status = status if ok else 2
+        sys.exit(status)
+    if out is None:
+        raise click.UsageError("Missing option '--out'.")
+    run = _load(path)
+    target = _output_folder(out)
+    if fmt == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise click.ClickException("parquet export needs pyarrow: pip install 'ampwatch[parquet]'")
+    # the name comes from the file: keep it a plain file name (no '/', '..' or control bytes)
+    stem = re.sub(r"[^\w.-]", "_", run.name).lstrip(".") or "run"
+    for table in ("steps", "layers", "modules", "events", "metrics"):
+        df = getattr(run, table)
+        file = target / f"{stem}_{table}.{fmt}"
+        try:
+            if fmt == "csv":
+                df.to_csv(file, index=False)
+            else:
+                df.to_parquet(file, index=False)
+        except OSError as exc:  # a folder in the file's place, a full disk
+            raise OutputError(f"cannot write {str(file)!r} ({exc.strerror or exc}): "
+                              "pass another --out folder, or make room for the file there") from None
+        click.echo(f"wrote {file} ({len(df)} rows)")
+
+
+@cli.command()
+@click.option("--out", default="sample_runs", show_default=True, help="folder to write into (created if missing)")
+@click.option("--only", multiple=True, help="regenerate only these samples")
+def demo(out: str, only: tuple) -> None:
+    """Regenerate the sample runs: real CPU training recorded by ampwatch (about a minute).
+
+    \b
+    Example:
+        ampwatch demo --out sample_runs
+    """
+    target = _output_folder(out)  # before importing torch: a bad --out answers at once
+    from ..samples.demo import SAMPLES, make_samples, total_steps
+    names = list(only) or None
+    unknown = [n for n in only if n not in SAMPLES]
+    if unknown:
+        raise click.BadParameter(f"unknown sample {unknown[0]!r}; choose from {', '.join(SAMPLES)}")
+    folders = [n for n in names or SAMPLES if (target / f"{n}.sqlite").is_dir()]
+    if folders:
+        where = str(target / f"{folders[0]}.sqlite")
+        raise OutputError(f"{where!r} is a folder, not a run file: move it away, or pass another --out")
+    with click.progressbar(length=total_steps(names), label="training sample runs") as bar:
+        written = make_samples(target, names, progress=bar.update)
+    for path in written:
+        click.echo(f"wrote {path}")
+
+
+@cli.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--fail-on", type=click.Choice(["error", "warning", "never"]), default="error", show_default=True,
+              help="lowest severity that makes the exit status 1")
+def doctor(path: str, as_json: bool, fail_on: str) -> None:
+    """Diagnose a run (or every run in a folder): findings with evidence and advice.
+
+    In a folder, the rank files of a distributed job are diagnosed together and reported once:
+    which rank's batch went non-finite first, then the per-rank findings, each once with its ranks.
+
+    Exit status: 0 no finding at --fail-on severity (default: error), 1 at least one,
+    2 unreadable input (in a folder: any unreadable run).
+
+    \b
+    Example:
+        ampwatch doctor sample_runs/diverged.sqlite
+        ampwatch doctor sample_runs --json
+    """
+    from ..doctor import SEVERITIES, health
+    failing = set() if fail_on == "never" else set(SEVERITIES[:SEVERITIES.index(fail_on) + 1])
+    if Path(path).is_dir():
+        _doctor_folder(path, as_json, failing)
+    from ..doctor import diagnose
+    from .report import format_report
+    run = _load(path)
+    findings = diagnose(run)
+    status = 1 if any(f.severity in failing for f in findings) else 0
+    if as_json:
+        click.echo(json.dumps(_json_report(run, findings, health(findings)), indent=2))
+    else:
+        click.echo(format_report(run, findings))
+    sys.exit(status)
+
+
+def _doctor_folder(path: str, as_json: bool, failing: set) -> None:
+    """Every run in a folder; the rank files of a job are diagnosed together and reported once."""
+    from ..doctor import diagnose, health
+    from .report import format_report, health_line
+    from ..jobs.group import load_groups
+    from ..doctor.job import diagnose_group, diagnose_ranks
+    from .job_report import format_job_doctor, job_doctor_json
+    texts, payload, heads, status = [], [], [], 0
+    for group in load_groups(path):
+        for u in group.unreadable:  # the other runs are still diagnosed
+            click.echo(f"ampwatch: {u.reason}", err=True)
+            status = 2
+        if not group.paths:
+            continue
+        try:
+            if group.world_size > 1 or len(group.paths) > 1:
+                job = diagnose_group(group)
+                per_rank = diagnose_ranks(group, job)
+                findings = job + [f for f, _ in per_rank]
+                heads.append(f"{group.name:<28} {health(findings)}")
+                texts.append(format_job_doctor(group, job, per_rank))
+                payload.append(dict(job_doctor_json(group, job, per_rank), health=health(findings)))
+            else:
+                run = _load(str(next(iter(group.paths.values()))))
+                findings = diagnose(run)
+                heads.append(health_line(run, findings))
+                texts.append(format_report(run, findings))
+                payload.append(_json_report(run, findings, health(findings)))
+        except RunError as exc:
+            click.echo(f"ampwatch: {exc}", err=True)
+            status = 2
+            continue
+        if any(f.severity in failing for f in findings):
+            status = max(status, 1)
+    head = "\n".join(heads) + "\n\n" if heads else ""
+    click.echo(json.dumps(payload, indent=2) if as_json else head + ("\n\n" + "-" * 100 + "\n").join(texts))
+    sys.exit(status)
+
+
+def _json_report(run: Any, findings: list, verdict: str) -> dict:
+    """``findings``: the flat list in report order (each with ``cause``); ``causes``: the same
+    findings as a tree, each root with its ``consequences``."""
+    flat = [f.to_dict() for f in findings]
+    causes = [dict(f, consequences=[c for c in flat if c["cause"] == f["id"]]) for f in flat if f["cause"] is None]
+    return {"run": run.name, "path": str(run.path), "health": verdict, "findings": flat, "causes": causes}
+
+
+def main(argv: Optional[list] = None) -> None:
+    cli.main(args=argv, prog_name="ampwatch")
+
+
+if __name__ == "__main__":
+    main()

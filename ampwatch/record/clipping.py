@@ -1,0 +1,102 @@
+"""Learn the clip threshold from the ``clip_grad_norm_`` call itself.
+
+Loops pass ``max_norm`` as a literal or under their own config key (nanoGPT ``grad_clip``, HF
+``max_grad_norm``, Lightning ``gradient_clip_val``), so the recorder watches the call instead.
+While at least one watch is attached, torch's clipping functions are wrapped: the wrapper hands
+``(parameters, max_norm)`` to every attached watch and calls the original unchanged. The last
+watch to close restores them.
+
+Why a wrapper rather than inferring the threshold from how much the gradients shrank: the wrapper
+costs one Python call per clip and no device work or sync, and it learns ``max_norm`` even on
+steps where nothing was clipped (the ratio would need a second norm of every gradient per step,
+and would say nothing until the threshold is hit).
+
+What is wrapped: ``torch.nn.utils.clip_grad._clip_grads_with_norm_`` (private, torch >= 2.6),
+which ``clip_grad_norm_`` looks up at call time, so a loop that did
+``from torch.nn.utils import clip_grad_norm_`` before attaching is seen too; and the public
+``torch.nn.utils.clip_grad_norm_`` / ``clip_grads_with_norm_`` names for older torch and direct
+calls. A clip that bypasses all of these (FSDP1's ``model.clip_grad_norm_``, a hand-written clip)
+is not seen; the dashboard then falls back to the run's config keys.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from typing import Any, Callable
+
+import torch
+
+# (module, attribute) pairs wrapped while a watch listens; missing ones are skipped.
+_TARGETS = (
+    ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"),
+    ("torch.nn.utils", "clip_grads_with_norm_"),
+    ("torch.nn.utils", "clip_grad_norm_"),
+    ("torch.nn.utils.clip_grad", "clip_grad_norm_"),
+)
+
+_lock = threading.Lock()
+# A tuple, replaced whole under the lock: the wrapper reads it without locking or copying (iterating a
+# WeakSet cost ~30x the rest of the wrapper). Watches are held until they close, as their scaler
+# wrappers hold them anyway.
+_listeners: tuple = ()
+_installed: dict[tuple[str, str], tuple[Any, Any]] = {}  # target -> (original, our wrapper)
+
+
+def _module(name: str) -> Any:
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _wrap(original: Callable) -> Callable:
+    # clip_grad_norm_ calls _clip_grads_with_norm_, so a listener may hear one call twice: harmless,
+    # Watch.on_clip returns at once for a max_norm it already knows.
+    @functools.wraps(original)
+    def clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        if _listeners:
+            seen = parameters
+            if not isinstance(parameters, (torch.Tensor, list, tuple)):
+                # a generator (model.parameters()) must survive being looked at: listeners only
+                # need its first item, and listing a whole model's parameters costs ~50 us a step
+                rest = iter(parameters)
+                first = next(rest, None)
+                seen = () if first is None else (first,)
+                parameters = itertools.chain(seen, rest)
+            for listener in _listeners:
+                listener.on_clip(seen, max_norm)  # Watch.on_clip never raises
+        return original(parameters, max_norm, *args, **kwargs)
+    return clip
+
+
+def listen(listener: Any) -> None:
+    """Start telling ``listener.on_clip(parameters, max_norm)`` about every clip; wraps on first use."""
+    global _listeners
+    with _lock:
+        if listener not in _listeners:
+            _listeners = _listeners + (listener,)
+        if _installed:
+            return
+        for target in _TARGETS:
+            module = _module(target[0])
+            original = getattr(module, target[1], None) if module is not None else None
+            if callable(original):
+                wrapper = _wrap(original)
+                _installed[target] = (original, wrapper)
+                setattr(module, target[1], wrapper)
+
+
+def stop(listener: Any) -> None:
+    """Stop telling ``listener``; the last listener to stop restores torch's functions."""
+    global _listeners
+    with _lock:
+        _listeners = tuple(x for x in _listeners if x is not listener)
+        if _listeners:
+            return
+        for (module_name, attr), (original, wrapper) in _installed.items():
+            module = _module(module_name)
+            if module is not None and getattr(module, attr, None) is wrapper:  # not re-wrapped by someone else
+                setattr(module, attr, original)
+        _installed.clear()

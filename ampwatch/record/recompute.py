@@ -1,0 +1,175 @@
+"""The fp32 counterfactual: is a forward overflow fp16's range, or is the computation broken?
+
+When a step's forward origin is known (the first module whose fp16/bf16 output is non-finite while
+its inputs were finite), that one module is run again on the same inputs in fp32 (autocast off,
+floating inputs and its parameters and buffers upcast) and the max |output| is stored with the
+origin's event (``events.fp32_amax``). Finite there: fp16's range is the problem. NaN/inf there too:
+the weights or inputs are broken, or the op itself makes NaN.
+
+How it stays out of training's way:
+
+* During the step, :class:`InputKeeper` holds a reference to each hooked module's latest forward
+  inputs (one dict slot per module, replaced on the next call, cleared at the step's end: no list
+  grows; fed by the eager forward hooks of :class:`~ampwatch.record.observe.ModuleObserver`, which
+  receive the arguments the module ran on, after any pre-hook replaced them). No copy is made and
+  nothing is read: on clean steps it costs a dict store per module call. Without free reads the slot
+  holds the last micro-batch's call: an origin born in an earlier micro-batch gets no recompute.
+  Memory: inputs that autograd would have freed during backward stay alive until the step ends. Most
+  are saved for backward anyway (a Linear keeps its input); the extra is the inputs of modules whose
+  backward does not need them (elementwise, residual containers): at most one forward's activations.
+* The recompute runs only on a step already known to be bad without a sync: where reads are free
+  (CPU) the hooks saw the non-finite value; on an accelerator, only a step the GradScaler skipped
+  (it did not call ``optimizer.step()``: the host knows that for free). An accelerator run without a
+  scaler gets no recompute (``fp32_amax`` stays None). On a bad step it costs one sync and one
+  forward of one module.
+* It changes nothing training sees: ``torch.no_grad`` (no graph), the RNG state forked and restored
+  (dropout draws no numbers from the training stream; its mask differs from the original call's),
+  parameters and buffers replaced by fp32 copies (torch.func.functional_call's mechanism; BatchNorm
+  updates running stats on the copies), the recorder's own hooks paused. The module's ``forward`` is
+  called, not the module: its own hooks already ran on the kept inputs (its children's hooks, other
+  code's included, do run).
+* An input modified in place after the call (its version counter moved) makes the recompute
+  meaningless: then none is done (None). Under ``torch.compile`` module hooks do not run inside the
+  compiled graph, so there are no kept inputs and no origin: None.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from . import torch_access
+from .observe import ModuleObserver, tensor_list, nested_tensors_of
+
+
+def _upcast(obj: Any, depth: int = 0) -> Any:
+    """Floating tensors (in tuples, lists, dicts) as fp32 copies; everything else as it is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().float() if obj.is_floating_point() else obj
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        return type(obj)(_upcast(x, depth + 1) for x in obj)
+    if depth < 3 and isinstance(obj, dict):
+        return {k: _upcast(v, depth + 1) for k, v in obj.items()}
+    return obj
+
+
+def _versions(args: Any, kwargs: Any) -> list[int]:
+    """Version counters of a call's floating tensors, listed as the observer's pre-hook lists them."""
+    tensors = tensor_list(args[0]) if len(args) == 1 and not kwargs else tensor_list(args) + tensor_list(kwargs)
+    return [t._version for t in tensors]
+
+
+def output_amax(output: Any) -> Optional[float]:
+    """Max |value| over the floating tensors of ``output``: NaN if any is NaN; None if none."""
+    tensors = list(nested_tensors_of(output))
+    if not tensors:
+        return None
+    worst = -math.inf
+    for t in tensors:
+        t = t.detach().float()
+        if torch.isnan(t).any():
+            return math.nan
+        worst = max(worst, float(t.abs().max()))
+    return worst
+
+
+class InputKeeper:
+    """One slot per hooked module: the latest forward inputs of the step (references, no copies).
+
+    Where reads are free the observer tells it which call made a non-finite output; when that call's
+    inputs were finite they are kept (pinned) instead of the latest: the first such call wins."""
+
+    def __init__(self, observer: ModuleObserver) -> None:
+        self._observer = observer
+        self._inputs: dict[int, tuple[Any, Any, list[int], list]] = {}
+        self._pinned: set[int] = set()
+
+    def keep(self, index: int, args: Any, kwargs: Any, tensors: list) -> None:
+        """Called by the observer's pre-hook with the call's floating tensors (already listed)."""
+        if index not in self._pinned:  # one input (most modules): no comprehension frame
+            versions = [tensors[0]._version] if len(tensors) == 1 else [t._version for t in tensors]
+            self._inputs[index] = (args, kwargs, versions, tensors, self._observer.root_calls - 1)
+
+    def settle(self, index: int) -> None:
+        """Module ``index``'s call just made a non-finite output (host path: reads are free)."""
+        kept = self._inputs.get(index)
+        if kept is None or index in self._pinned:
+            return
+        if all(bool(torch.isfinite(t).all()) for t in kept[3]):
+            self._pinned.add(index)
+
+    def clear(self) -> None:
+        self._inputs.clear()
+        self._pinned.clear()
+
+    def recompute(self, index: int, micro_batch: Optional[int] = None) -> Optional[float]:
+        """Max |output| of module ``index`` run again in fp32 on its kept inputs, or None.
+
+        ``micro_batch``: the one whose call made the non-finite output. Unpinned (no free reads),
+        the kept inputs are the module's latest call's, from the step's last micro-batch: when the
+        overflow was in an earlier one, they are not the inputs that overflowed, so None."""
+        kept = self._inputs.get(index)
+        if kept is None:
+            return None
+        args, kwargs, versions, _, kept_batch = kept
+        if index not in self._pinned and micro_batch is not None and max(kept_batch, 0) != micro_batch:
+            return None
+        if _versions(args, kwargs) != versions:
+            return None  # modified in place since the call: not the inputs it saw
+        module = self._observer.modules[index]
+        return recompute_fp32(module, args, kwargs, self._observer)
+
+
+def _swapped(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """Parameters and buffers of ``module`` replaced by ``tensors`` for the ``with`` block, restored
+    after (torch.func.functional_call's mechanism; it would also re-run the module's own hooks)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, observer: Optional[ModuleObserver] = None
+                   ) -> Optional[float]:
+    """Run ``module`` on fp32 copies of ``args``/``kwargs``, its parameters and buffers, with autocast
+    off, no grad, the RNG forked and the observer's hooks paused; return max |output|.
+
+    None where it cannot be done faithfully: parameters sharded across ranks (FSDP2's DTensors,
+    FSDP1's flat parameters, whose storage is freed after the forward) exist whole only inside the
+    framework's own forward, and a module that will not run on fp32 inputs (a dtype assertion in
+    user code) has no fp32 answer. Either way the run is recorded as before, without the verdict."""
+    if any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
+        return None
+    params = {n: p.detach().float() if p.is_floating_point() else p for n, p in module.named_parameters()}
+    # Buffers are cloned even when already fp32: BatchNorm updates running stats in place.
+    # (.float() of an fp32 tensor is that same tensor: copy=True makes the copy.)
+    buffers = {n: b.detach().to(torch.float32, copy=True) if b.is_floating_point() else b.clone()
+               for n, b in module.named_buffers()}
+    device = next(iter(params.values()), next(iter(buffers.values()), None))
+    devices = [device.device] if device is not None and device.device.type == "cuda" else []
+    device_type = device.device.type if device is not None else "cpu"
+    was_active = observer.active if observer is not None else None
+    if observer is not None:
+        observer.active = False
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), \
+                torch.autocast(device_type, enabled=False), _swapped(module, {**params, **buffers}):
+            # forward, not __call__: the module's own hooks already ran on the kept inputs (children's run)
+            out = module.forward(*_upcast(args), **_upcast(kwargs))
+        return output_amax(out)
+    except Exception:  # the user's module, run outside its usual dtype: no verdict, not a failure
+        return None
+    finally:
+        if observer is not None:
+            observer.active = was_active
+
+
+def check_step(observer: ModuleObserver, skipped: bool) -> None:
+    """On a step known to be bad (host path: a hook saw it; accelerator: the scaler skipped it),
+    recompute the forward origin in fp32 once and leave the result with the observer's step."""
+    keeper = observer.keeper
+    if keeper is None or observer.fp32_checked or not (observer.counts or (skipped and observer.root_calls)):
+        return
+    observer.fp32_checked = True
+    origin = observer.forward_origin(observer.names)
+    if origin is not None:
+        observer.fp32_amax[origin] = keeper.recompute(origin, observer.bad_micro_batch(origin))

@@ -1,0 +1,364 @@
+"""Reading run files: always read-only, never migrating, with one clear line when a file is bad."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import pandas as pd
+
+from .guard import guard, open_read_only, reads
+from ..errors import RunError
+from .schema import LAYER_NAN_BITS, SCHEMA_VERSION, STEP_NAN_BITS
+from ..userpath import path_text
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+RUN_SUFFIXES = (".sqlite", ".db", ".sqlite3")
+# A writer stamps a heartbeat every flush (1 s by default); this much silence means it is gone.
+STALE_AFTER_S = 30.0
+
+
+def check_run_file(path: Any) -> Path:
+    """The path as a Path if it names a readable file that looks like SQLite, else RunError."""
+    p = Path(path_text(path, RunError, "the run file", "runs/exp1.sqlite"))
+    if not p.exists():
+        raise RunError(f"no run file at {str(p)!r}: check the path (runs are .sqlite files)")
+    if p.is_dir():
+        raise RunError(f"{str(p)!r} is a folder, not a run file: pass one .sqlite file, or use `ampwatch ls {p}`")
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(16)
+    except OSError as exc:
+        raise RunError(f"cannot read {str(p)!r}: {exc.strerror}") from None
+    if head != _SQLITE_MAGIC:
+        what = "an empty file" if not head else "not a SQLite file"
+        raise RunError(f"{str(p)!r} is not an ampwatch run ({what}): pass a file written by ampwatch.attach")
+    return p
+
+
+@contextmanager
+def connect(path: Any) -> Iterator[sqlite3.Connection]:
+    """A read-only connection to a checked run file (``mode=ro``: this process cannot write it).
+
+    Whatever fails inside the ``with`` block on a damaged file becomes one RunError line
+    (:func:`ampwatch.store.guard.guard`); text that is not UTF-8 reads with U+FFFD instead of raising.
+    For a whole run (schema and run row checked too) use :func:`open_run`."""
+    with _connected(check_run_file(path)) as conn:
+        yield conn
+
+
+@contextmanager
+def _connected(p: Path, factory: type = sqlite3.Connection) -> Iterator[Any]:
+    try:
+        conn = open_read_only(p, factory)
+    except sqlite3.Error as exc:
+        raise RunError(f"cannot open {str(p)!r} read-only: {exc}") from None
+    try:
+        with guard(p):
+            yield conn
+    finally:
+        conn.close()
+
+
+class RunConnection(sqlite3.Connection):
+    """A read-only connection to a checked ampwatch run, from :func:`open_run`: ``path`` (the
+    checked file) and ``run_row`` (its run row as stored, read once)."""
+    path: Path
+    run_row: dict[str, Any]
+
+
+@contextmanager
+def open_run(path: Any) -> Iterator[RunConnection]:
+    """The one way to open a run: the path checked once, a read-only connection, the schema checked
+    once, the run row read once. Anything else raises :class:`RunError` with one line.
+
+    >>> with open_run("runs/exp1.sqlite") as conn:
+    ...     conn.run_row["name"], conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+    """
+    p = check_run_file(path)
+    with _connected(p, RunConnection) as conn:
+        check_schema(conn, p)
+        cur = conn.execute("SELECT * FROM run WHERE id = 1")
+        row = cur.fetchone()
+        if row is None:
+            raise RunError(f"{str(p)!r} has no run row: it is not a complete ampwatch run")
+        conn.path = p
+        conn.run_row = dict(zip([d[0] for d in cur.description], row))
+        yield conn
+
+
+def check_schema(conn: sqlite3.Connection, p: Path) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not {"run", "steps", "tensors"} <= tables:
+        raise RunError(f"{str(p)!r} is a SQLite file of another tool, not an ampwatch run")
+    if version > SCHEMA_VERSION:
+        raise RunError(f"{str(p)!r} was written by a newer ampwatch (schema {version}, this one reads "
+                       f"up to {SCHEMA_VERSION}): upgrade ampwatch (pip install -U ampwatch)")
+
+
+def _pid_alive(pid: Optional[int]) -> bool:
+    if not isinstance(pid, int) or pid <= 0:  # 0 or negative would ask about a process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def effective_status(row: dict[str, Any], now: Optional[float] = None) -> str:
+    """'running' only while the writer is alive: a silent heartbeat or a dead pid is 'interrupted'."""
+    status = row.get("status") or "running"
+    if status != "running":
+        return status
+    import socket
+    if row.get("hostname") == socket.gethostname() and not _pid_alive(row.get("pid")):
+        return "interrupted"
+    beat = row.get("heartbeat_at") or row.get("started_at") or 0
+    if (now or time.time()) - beat > STALE_AFTER_S:
+        return "interrupted"
+    return "running"
+
+
+
+
+def decode_nan_mask(df: pd.DataFrame, bits: dict[str, int], *, mask: Any = None, flags: Any = (),
+                    drop: bool = True) -> pd.DataFrame:
+    """Put back the NaNs that SQLite stored as NULL: where a row's ``nan_mask`` has a column's bit
+    (:data:`~ampwatch.store.schema.STEP_NAN_BITS`, ``LAYER_NAN_BITS``) that column was NaN; a NULL
+    without the bit was not measured (also NaN in pandas). The columns become floats.
+
+    :param mask: the masks when they are not the frame's ``nan_mask`` column.
+    :param flags: columns that also get a boolean ``<col>_nan`` (NaN, not merely unmeasured).
+    :param drop: drop the ``nan_mask`` column afterwards.
+    """
+    raw = df["nan_mask"].to_numpy() if mask is None else mask
+    m = np.nan_to_num(np.asarray(raw, dtype=float)).astype(np.int64)
+    for col, bit in bits.items():
+        hit = (m & bit) != 0
+        df[col] = df[col].astype(float).where(~hit, np.nan)
+        if col in flags:
+            df[f"{col}_nan"] = hit
+    return df.drop(columns=["nan_mask"]) if drop and "nan_mask" in df.columns else df
+
+
+def _steps(df: pd.DataFrame) -> pd.DataFrame:
+    df = decode_nan_mask(df, STEP_NAN_BITS)
+    df["loss_scale"] = df["loss_scale"].astype(float)
+    df["skipped"] = df["skipped"].astype(bool)
+    return df
+
+
+def _layers(df: pd.DataFrame) -> pd.DataFrame:
+    df = decode_nan_mask(df, LAYER_NAN_BITS)
+    df["grad_zero_frac"] = df["grad_zero_frac"].astype(float)
+    return df
+
+
+def _modules(df: pd.DataFrame) -> pd.DataFrame:
+    df["amax"] = df["amax"].astype(float)
+    df["nonfinite"] = df["nonfinite"].astype(bool)
+    return df
+
+
+def _events(df: pd.DataFrame) -> pd.DataFrame:
+    df["origin"] = df["origin"].astype(bool)
+    df["amax"] = df["amax"].astype(float)
+    df["micro_batch"] = df["micro_batch"].astype("Int64")  # NULL (per-step events, old files) reads <NA>
+    # SQLite keeps NaN as NULL: fp32_nan tells a NaN recompute from "not recomputed" (None).
+    nan = df.pop("fp32_nan").fillna(0).astype(int).to_numpy() == 1
+    df["fp32_amax"] = pd.Series([math.nan if n else (None if v is None or v != v else float(v))
+                                 for n, v in zip(nan, df["fp32_amax"].astype(object))],
+                                index=df.index, dtype=object)
+    df["flows_into"] = df["flows_into"].astype(object).where(df["flows_into"].notna(), None)
+    return df
+
+
+def _metrics(df: pd.DataFrame) -> pd.DataFrame:
+    df["value"] = df["value"].astype(float)
+    return df
+
+
+class Run:
+    """A recorded run, opened read-only. Tables are read on first access and cached.
+
+    ``info`` (dict), ``steps``, ``layers``, ``modules``, ``events``, ``metrics``, ``notices``
+    (pandas DataFrames). Raises :class:`RunError` for anything that is not a readable run.
+    """
+
+    def __init__(self, path: Any) -> None:
+        with open_run(path) as conn:
+            self.path, self._row = conn.path, conn.run_row
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    @property
+    @reads
+    def name(self) -> str:
+        return str(self._row["name"])
+
+    @property
+    @reads
+    def info(self) -> dict[str, Any]:
+        row = self._row
+        info = {k: v for k, v in row.items() if k not in ("id", "config_json")}
+        info["status"] = effective_status(row)
+        info["scaler_enabled"] = bool(row.get("scaler_enabled"))
+        info["localize"] = bool(row.get("localize"))
+        # Runs before schema 4 stored the mean of the values scaler.scale() saw, and
+        # read as written: a NULL definition says so.
+        info["loss_definition"] = row.get("loss_definition") or "scaled-mean"
+        info.setdefault("clip_max_norm", None)
+        try:
+            info["config"] = json.loads(row.get("config_json") or "{}")
+        except (ValueError, TypeError):
+            info["config"] = {}
+        return info
+
+    @reads
+    def query(self, sql: str, params: tuple = ()) -> pd.DataFrame:
+        """Run a parameterised read-only query against the run file."""
+        with connect(self.path) as conn:
+            return pd.read_sql_query(sql, conn, params=params)
+
+    def _table(self, key: str, sql: str, convert: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
+               ) -> pd.DataFrame:
+        """A table read once and cached; ``convert`` runs under the same damage guard as the read
+        (a flipped type byte shows up only when a column is converted)."""
+        if key not in self._cache:
+            with guard(self.path):
+                self._cache[key] = convert(self.query(sql))
+        return self._cache[key].copy()
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        return self._table("steps", "SELECT step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr,"
+                                    " micro_batches, nan_mask FROM steps ORDER BY step", _steps)
+
+    @property
+    def layers(self) -> pd.DataFrame:
+        return self._table("layers", "SELECT l.step, t.name, l.grad_norm, l.grad_amax, l.param_norm,"
+                                     " l.grad_nonfinite, l.grad_zero_frac, l.nan_mask FROM layers l"
+                                     " JOIN tensors t ON t.id = l.param_id ORDER BY l.step, l.param_id", _layers)
+
+    @property
+    def modules(self) -> pd.DataFrame:
+        return self._table("modules", "SELECT m.step, t.name AS module, CASE m.phase WHEN 0 THEN 'forward'"
+                                      " ELSE 'backward' END AS phase, m.amax, m.nonfinite FROM modules m"
+                                      " JOIN tensors t ON t.id = m.module_id ORDER BY m.step, m.module_id, m.phase",
+                           _modules)
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """NaN/Inf events. ``micro_batch``: the micro-batch of the step in which this module and
+        phase first went non-finite (None for param_grad/loss events and files before schema 2).
+        ``fp32_amax`` (forward origins): the max |output| of the module recomputed in fp32, as float
+        NaN/inf where the recompute gave them and None where none was done (files written before
+        schema 3 read as None); ``flows_into``: for an origin in a container's own code, the child
+        the non-finite value went into (else None)."""
+        with guard(self.path), connect(self.path) as conn:
+            extra = event_columns(conn)
+        df = self._table("events", f"SELECT step, phase, module, kind, count, amax, dtype, origin{extra}"
+                                   f" FROM events ORDER BY step, origin DESC, id", _events)
+        others = self.aliases()
+        df["aliases"] = [", ".join(others.get(m, ())) for m in df["module"]]
+        return df
+
+    def aliases(self) -> dict[str, list[str]]:
+        """Every name of a tied parameter or shared module -> its other names (empty for older runs)."""
+        if "aliases" not in self._cache:
+            with guard(self.path), connect(self.path) as conn:
+                self._cache["aliases"] = aliases_in(conn)  # type: ignore[assignment]
+        return self._cache["aliases"]  # type: ignore[return-value]
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        return self._table("metrics", "SELECT step, key, value FROM metrics ORDER BY step, key", _metrics)
+
+    @property
+    def notices(self) -> pd.DataFrame:
+        return self._table("notices", "SELECT step, code, message FROM notices ORDER BY step")
+
+    @property
+    def tensors(self) -> pd.DataFrame:
+        df = self._table("tensors", "SELECT id, kind, name, type, shape, numel, trainable FROM tensors")
+        others = self.aliases()
+        df["aliases"] = [", ".join(others.get(n, ())) for n in df["name"]]
+        return df
+
+    def __repr__(self) -> str:
+        return f"<ampwatch.Run {self.name!r} {str(self.path)!r}>"
+
+
+# Config keys that loops and frameworks use for the clip threshold (HF, nanoGPT, Lightning, others):
+# only a fallback for runs where the clip_grad_norm_ call was not seen (older runs, FSDP1's own clip).
+CLIP_CONFIG_KEYS = ("max_grad_norm", "grad_clip", "gradient_clip_val", "clip_grad_norm", "max_norm",
+                    "clip_norm", "grad_norm_clip", "clip_grad")
+
+
+def clip_threshold(info: dict[str, Any]) -> Optional[float]:
+    """The run's clip ``max_norm``: as observed in the ``clip_grad_norm_`` call (``clip_max_norm``), else the first positive number under a known config key, else None."""
+    observed = info.get("clip_max_norm")
+    if isinstance(observed, (int, float)) and observed > 0:
+        return float(observed)
+    config = info.get("config") or {}
+    for key in CLIP_CONFIG_KEYS:
+        value = config.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+# Event columns added after the first schema: older files lack them, and readers select NULL in
+# their place (or leave them out).
+EVENT_COLUMNS_ADDED = ("micro_batch", "fp32_amax", "fp32_nan", "flows_into")
+
+
+def event_columns(conn: sqlite3.Connection, names: tuple = EVENT_COLUMNS_ADDED, missing_as_null: bool = True) -> str:
+    """``", col, ..."`` to append to an events SELECT: each of ``names`` the file has, and for one it
+    lacks ``NULL AS col`` (or nothing, with ``missing_as_null=False``)."""
+    have = {r[1] for r in conn.execute("PRAGMA table_info(events)")}
+    return "".join(f", {c}" if c in have else (f", NULL AS {c}" if missing_as_null else "") for c in names)
+
+
+def aliases_in(conn: sqlite3.Connection) -> dict[str, list[str]]:
+    """Every name of a tied parameter or shared module -> its other names ({} for runs recorded
+    before aliases were, schema < 3)."""
+    cols = {r[1] for r in conn.execute("PRAGMA table_info(tensors)")}
+    rows = conn.execute("SELECT name, aliases FROM tensors WHERE aliases IS NOT NULL").fetchall() \
+        if "aliases" in cols else []
+    return alias_map(rows)
+
+
+def alias_map(rows: list[tuple[str, Optional[str]]]) -> dict[str, list[str]]:
+    """(name, JSON list of other names) rows -> every name to its other names, both ways."""
+    out: dict[str, list[str]] = {}
+    for name, raw in rows:
+        try:
+            names = [name] + [str(n) for n in json.loads(raw or "[]")]
+        except ValueError:
+            continue
+        for n in names:
+            out[n] = [m for m in names if m != n]
+    return out
+
+
+def find_runs(folder: Any) -> list[Path]:
+    """Run files directly inside ``folder`` (sorted), or RunError if it is not a folder of runs."""
+    p = Path(path_text(folder, RunError, "the folder of runs", "runs"))
+    if not p.exists():
+        raise RunError(f"no folder at {str(p)!r}: check the path")
+    if not p.is_dir():
+        raise RunError(f"{str(p)!r} is not a folder: pass a folder of runs")
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in RUN_SUFFIXES)
+    if not files:
+        raise RunError(f"no runs in {str(p)!r}: expected .sqlite files written by ampwatch")
+    return files

@@ -1,0 +1,252 @@
+"""The run file's only writer: a background thread, batched commits in WAL mode.
+
+The training thread only appends each step's pack to a deque: no lock, no wake-up. Waking the
+thread per step cost the MLP benchmark ~0.5 ms a step in GIL hand-offs; instead the thread wakes
+every ``_POLL_S`` and turns everything waiting into rows in one burst. Info and notices go on a
+queue. The thread commits at least every ``flush_every_s`` (and stamps a heartbeat, so readers
+can tell a dead run from a live one), and on close checkpoints the WAL and switches back to a rollback journal so a finished run is one file.
+Bulk rows go through ``executemany`` (about 4x faster than ``insert_all``, which matters for GIL
+time stolen from training: research/overhead-anchors.md); schema and run rows go through sqlite-utils.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from sqlite_utils import Database
+
+from . import schema
+from .rows import Rows
+
+log = logging.getLogger("ampwatch")
+
+_STOP = object()
+_POLL_S = 0.1  # how often the thread drains the step deque; bounds what a reader sees late
+CHECKPOINT_EVERY_S = 2.0  # how often the WAL is folded into the run file while recording (_checkpoint)
+
+_INSERTS = {
+    "steps": "INSERT OR REPLACE INTO steps (step, time, duration_s, loss, loss_scale, skipped, grad_norm,"
+             " lr, micro_batches, nan_mask) VALUES (?,?,?,?,?,?,?,?,?,?)",
+    "layers": "INSERT OR REPLACE INTO layers (param_id, step, grad_norm, grad_amax, param_norm,"
+              " grad_nonfinite, grad_zero_frac, nan_mask) VALUES (?,?,?,?,?,?,?,?)",
+    "modules": "INSERT OR REPLACE INTO modules (module_id, phase, step, amax, nonfinite) VALUES (?,?,?,?,?)",
+    "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch,"
+              " fp32_amax, fp32_nan, flows_into) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+    "metrics": "INSERT OR REPLACE INTO metrics (key, step, value) VALUES (?,?,?)",
+}
+
+
+def create_run_file(path: str, info: dict[str, Any], tensors: list[dict[str, Any]]) -> None:
+    """Create the file with its schema, run row and name tables. Runs on the caller's thread so
+    an unwritable location is reported at attach time."""
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        db = Database(conn)
+        schema.create(db)
+        row = dict(info)
+        row["config_json"] = json.dumps(row.pop("config", None) or {}, default=str, sort_keys=True)
+        row["id"] = 1
+        db["run"].insert(row)
+        if tensors:
+            db["tensors"].insert_all(tensors)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+class RunWriter:
+    """Owns the SQLite connection on its own thread. ``failure`` is set if it dies.
+
+    ``to_rows`` turns one handed-over step (opaque to the writer) into :class:`Rows`; it runs on
+    this thread, so whatever the conversion waits for (a device transfer) never stalls training.
+
+    ``on_commit(rows, info, notices)``: called on this thread after each commit with what it
+    committed (the last call's ``info`` holds ``status``); it must not raise (a mirror to a tracker
+    guards itself)."""
+
+    def __init__(self, path: str, to_rows: Callable[[Any], Rows], flush_every_s: float,
+                 on_commit: Optional[Callable[[Rows, dict, list], None]] = None) -> None:
+        self.path = path
+        self._on_commit = on_commit
+        self.failure: Optional[BaseException] = None
+        self._to_rows = to_rows
+        self._flush_every_s = flush_every_s
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._steps: "collections.deque[Any]" = collections.deque()  # append/popleft are atomic
+        self._inode = os.stat(path).st_ino
+        self._thread = threading.Thread(target=self._run, name="ampwatch-writer", daemon=True)
+        self._thread.start()
+
+    def put_step(self, pack: Any) -> None:
+        self._steps.append(pack)
+
+    def put_info(self, **fields: Any) -> None:
+        self._queue.put(("info", fields))
+
+    def put_notice(self, step: Optional[int], code: str, message: str) -> None:
+        self._queue.put(("notice", (step, code, message)))
+
+    def close(self, status: str, error: Optional[str]) -> None:
+        """Drain, mark the run ended, checkpoint. Blocks until the thread is done."""
+        self._queue.put(("info", {"status": status, "error": error, "ended_at": time.time()}))
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    # -- thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        conn = None
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a killed process loses nothing committed
+            self._loop(conn)
+            self._finish(conn)
+        except BaseException as exc:  # reported to the training thread, which warns once
+            self.failure = exc
+            self._drain()
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _finish(self, conn: sqlite3.Connection) -> None:
+        """Fold the WAL into the file and leave WAL mode: a finished run is one self-contained file.
+
+        Every row is already committed, so a reader holding the file past the busy timeout (5 s)
+        is not a failure: the WAL then stays beside the file and readers still see everything."""
+        _test_pause("checkpoint")
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            _leave_wal(conn)
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            log.info("%s stays in WAL mode (a reader held it at close): %s", self.path, exc)
+        _test_pause("checkpoint-end")
+
+    def _drain(self) -> None:
+        self._steps.clear()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is _STOP:
+                return
+
+    def _loop(self, conn: sqlite3.Connection) -> None:
+        pending = Rows()
+        info: dict[str, Any] = {}
+        notices: list[tuple] = []
+        last_flush = last_checkpoint = time.monotonic()
+        stop = False
+        while not stop:
+            timeout = min(_POLL_S, max(0.0, self._flush_every_s - (time.monotonic() - last_flush)))
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            # steps first: everything put before this item (or before close's _STOP) is in the deque
+            while self._steps:
+                pending.extend(self._to_rows(self._steps.popleft()))
+            if item is _STOP:
+                stop = True
+            elif item is not None:
+                kind, payload = item
+                if kind == "info":
+                    info.update(payload)
+                else:
+                    notices.append(payload)
+            if stop or time.monotonic() - last_flush >= self._flush_every_s or pending.count() > 200_000:
+                self._commit(conn, pending, info, notices)
+                if self._on_commit is not None:
+                    self._on_commit(pending, info, notices)
+                pending, info, notices = Rows(), {}, []
+                last_flush = time.monotonic()
+                if not stop and last_flush - last_checkpoint >= CHECKPOINT_EVERY_S:
+                    _checkpoint(conn)
+                    last_checkpoint = last_flush
+
+    def _commit(self, conn: sqlite3.Connection, rows: Rows, info: dict[str, Any], notices: list) -> None:
+        self._check_file()
+        conn.execute("BEGIN")
+        try:
+            for table, sql in _INSERTS.items():
+                batch = getattr(rows, table)
+                if batch:
+                    conn.executemany(sql, batch)
+            if notices:
+                conn.executemany("INSERT INTO notices (step, code, message) VALUES (?,?,?)", notices)
+            info = dict(info, heartbeat_at=time.time())
+            cols = ", ".join(f"{k} = ?" for k in info)
+            conn.execute(f"UPDATE run SET {cols} WHERE id = 1", list(info.values()))
+            _test_pause("commit")
+            conn.execute("COMMIT")
+        except BaseException:
+            # SQLite may already have rolled back (disk full): the original error is the one to report
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            raise
+        if rows.steps:
+            _test_pause("committed", rows.steps[-1][0])
+
+    def _check_file(self) -> None:
+        # SQLite keeps writing to an unlinked file without complaint; we must notice ourselves.
+        try:
+            inode = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            raise RuntimeError(f"run file {self.path!r} was removed while recording") from None
+        if inode != self._inode:
+            raise RuntimeError(f"run file {self.path!r} was replaced while recording")
+
+
+def _checkpoint(conn: sqlite3.Connection) -> None:
+    """Copy what the WAL holds into the run file itself, as far as readers allow, without waiting
+    for them (PASSIVE). A run file copied while training goes on, without its ``-wal`` beside it
+    (docs/reliability.md: "copy it, open it"), then holds every step up to the last checkpoint instead of
+    none: SQLite folds the WAL in by itself only every 1,000 pages, which a small run never fills."""
+    try:
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    except sqlite3.OperationalError:  # busy: the next one will do
+        pass
+
+
+def _leave_wal(conn: sqlite3.Connection, timeout_s: float = 5.0) -> None:
+    """Switch back to a rollback journal, retrying for up to ``timeout_s``.
+
+    SQLite fails this switch at once, without calling the busy handler, while any other connection
+    has the file open; a reader polling every 100 ms (the Live page) leaves gaps, so retry briefly."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=DELETE")
+            return
+        except sqlite3.OperationalError as exc:
+            if time.monotonic() >= deadline or ("locked" not in str(exc) and "busy" not in str(exc)):
+                raise
+            time.sleep(0.01)
+
+
+def _test_pause(phase: str, detail: Any = "") -> None:
+    """For the crash tests only (tests/test_reliability.py): with AMPWATCH_TEST_WRITER_PAUSE set
+    (``phase:seconds,...``), announce each phase on stderr and sleep in the named ones, so a real
+    SIGKILL can land inside a commit's open transaction or the close-time checkpoint."""
+    spec = os.environ.get("AMPWATCH_TEST_WRITER_PAUSE")
+    if not spec:
+        return
+    import sys
+    sys.stderr.write(f"ampwatch-writer {phase} {detail}\n")
+    sys.stderr.flush()
+    pauses = dict(item.split(":") for item in spec.split(",") if ":" in item)
+    if phase in pauses:
+        time.sleep(float(pauses[phase]))
