@@ -169,7 +169,7 @@ def export(path: str, fmt: str, to: Optional[str], out: Optional[str]) -> None:
     Example:
         ampwatch export runs/exp1.sqlite --format csv --out exported/
         ampwatch export runs/ --to tensorboard --out tb_logs/
-        MLFLOW_TRACKING_URI=sqlite:///mlflow.db ampwatch export runs/exp1.sqlite --to mlflow
+        MLFLOW_TRACKING_URI=http://localhost:5000 ampwatch export runs/exp1.sqlite --to mlflow
     """
     if to is not None:
         if click.get_current_context().get_parameter_source("fmt").name == "COMMANDLINE":
