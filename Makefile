@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ampwatch-installed
 
 .PHONY: install demo test bench samples
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

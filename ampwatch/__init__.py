@@ -20,7 +20,8 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
 
     :param model: the ``nn.Module`` being trained (hooked for NaN/Inf localization).
     :param optimizer: its optimizer (wrapped optimizers such as Accelerate's are unwrapped).
-    :param scaler: the ``GradScaler``, or None for bf16/fp32 (then ``watch.log(loss=loss)``).
+    :param scaler: the ``GradScaler``, or an object that holds one (timm's ``NativeScaler``: its
+        ``._scaler`` is hooked), or None for bf16/fp32 (then ``watch.log(loss=loss)``).
     :param path: run file; default ``runs/<name or timestamp>.sqlite`` (numbered if it exists).
         An explicit path that exists is refused (:class:`RunError`) unless ``overwrite=True``
         (a folder always is);
@@ -40,9 +41,9 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     CUDA); disk writes happen on a background thread.
     """
     from .record.watch import Watch
-    from .record.options import check_arguments
+    from .record.options import check_arguments, held_scaler
     check_arguments(model, optimizer, scaler, name, config)
-    return Watch(model, optimizer, scaler, path=path, name=name, config=config, **options)
+    return Watch(model, optimizer, held_scaler(scaler), path=path, name=name, config=config, **options)
 
 
 def load(path: Any) -> "Run":

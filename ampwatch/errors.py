@@ -24,3 +24,8 @@ class RunPathIsFolderError(RunError, IsADirectoryError):
 
 class OutputError(Exception):
     """A file or folder the CLI was asked to write (``--out``) cannot be written."""
+
+
+class DashboardError(Exception):
+    """``ampwatch dashboard`` cannot start: its extra is not installed, the runs folder is missing
+    or a file, the port is not a number or is in use, the host is not an address here."""

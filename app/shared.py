@@ -324,6 +324,22 @@ def job_view(folder: str, key: tuple, file: str) -> ranks.JobView:
     return ranks.job_view(folder, file)
 
 
+def has_fp8(path: Optional[Path]) -> bool:
+    """Whether the chosen run recorded fp8 layers (an unreadable file: no; its page says why)."""
+    if path is None:
+        return False
+    try:
+        return _has_fp8(str(path), stamp(path))
+    except Exception:
+        return False
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _has_fp8(path: str, key: tuple) -> bool:
+    from ampwatch.dashboard.fp8 import has_fp8_layers
+    return has_fp8_layers(path)
+
+
 @st.cache_data(show_spinner=False, max_entries=64)
 def run_row(path: str, key: tuple) -> dict:
     return rundata.run_row(path)

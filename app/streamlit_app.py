@@ -19,6 +19,10 @@ pages = [
     st.Page(PAGES / "ranks.py", title="Ranks", icon=":material/hub:"),
     st.Page(PAGES / "live.py", title="Live", icon=":material/autorenew:"),
 ]
-nav = st.navigation(pages)
+# the pickers first: which run is chosen decides whether the FP8 page is offered (the menu still
+# sits at the top of the sidebar)
 st.session_state["_folder"], st.session_state["_run"] = shared.sidebar()
+if shared.has_fp8(st.session_state["_run"]):
+    pages.insert(3, st.Page(PAGES / "fp8.py", title="FP8", icon=":material/memory:"))
+nav = st.navigation(pages)
 nav.run()

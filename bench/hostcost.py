@@ -6,20 +6,23 @@ the launches of its own ops. This measures that host time where no GPU is lent: 
 exact module tree (``transformers.GPT2Config()``: 12 blocks, 164 modules, 148 parameters) with
 tiny widths (``n_embd`` 48, 16 tokens), so the arithmetic is negligible and a step is almost all
 dispatch, on the accelerator path (``AMPWATCH_CPU_AS_ACCELERATOR=1``: no free host reads, the
-reductions batched as on CUDA). Reported: the added milliseconds per step (median of paired
-block differences, variants interleaved, one thread), at the defaults (the measured steps lie
-between ``layer_every`` steps: no module is observed, a skipped step would be replayed), with
-``replay=False`` (every module observed on every step, as on a ``layer_every`` step) and with
-``localize=False``,
-and for scale the *hook floor*: what per-module observation through Python hooks costs when the
+reductions batched as on CUDA). Each variant trains its own copy, attached once; a round runs one
+block of ``layer_every`` steps of each variant, interleaved, one thread. Reported per variant:
+the step time averaged over whole blocks (the observed ``layer_every`` step included: what a run
+pays), the median step between observed ones, and each as added milliseconds and as a ratio to
+the base (medians of paired per-round figures). Variants: the defaults (a skipped step would be
+replayed), ``replay=False`` (every module observed on every step), ``localize=False``, and in
+eager for scale the *hook floor*: what per-module observation through Python hooks costs when the
 hooks do nothing (a forward hook per module, a gradient hook per output).
 
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
 
-    python bench/hostcost.py --rounds 30 --steps 10
+    python bench/hostcost.py --rounds 8
     python bench/hostcost.py --path cpu        # the free-reads path instead
-    python bench/hostcost.py --compile aot_eager --rounds 12   # compiled copies (no model graph breaks)
+    python bench/hostcost.py --compile inductor --rounds 6   # compiled copies (no model graph breaks)
+    python bench/hostcost.py --fused           # AdamW(fused=True): a skip is read from the inf flag
+    python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def model_and_batch(seq: int = 16):
     return model, x
 
 
-def hook_floor(model: torch.nn.Module, steps):
+def hook_floor(model: torch.nn.Module) -> None:
     """The least any per-module observation in Python costs: a forward hook on every module that
     does nothing but give each floating output a gradient hook (ampwatch's own cheap way,
     ``observe.add_grad_hook``) that does nothing (``dict.get``: a C call returning None)."""
@@ -66,98 +69,109 @@ def hook_floor(model: torch.nn.Module, steps):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 add_grad_hook(t, t.grad_fn, nothing)
 
-    def run(k: int) -> float:
-        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
-        try:
-            return steps(k)
-        finally:
-            for h in handles:
-                h.remove()
-    return run
+    for m in model.modules():
+        m.register_forward_hook(hook, with_kwargs=True)
 
 
-def make_step(model, x, opt, scaler):
+def make_step(model, net, x, opt, scaler, watch):
+    """fp16 with a GradScaler; or, without a scaler, bf16 with the loss given to ``watch.log``."""
+    dtype = torch.float16 if scaler is not None else torch.bfloat16
+
     def step() -> float:
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.float16):
-            logits = model(x, use_cache=False).logits
+        with torch.autocast("cpu", dtype=dtype):
+            logits = net(x, use_cache=False).logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
+        if scaler is None:
+            loss.backward()
+            if watch is not None:
+                watch.log(loss=loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
     return step
 
 
-def eager_variants(folder: str) -> tuple[dict, torch.nn.Module]:
-    """One model; ampwatch attached for each of its blocks and closed after it."""
-    model, x = model_and_batch()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu")
-    step = make_step(model, x, opt, scaler)
-    counter = iter(range(10 ** 9))
+class Variant:
+    """One copy of the model, ampwatch attached once (or not), compiled or eager."""
 
-    def watched(**options):
-        def run(k: int) -> float:
-            with ampwatch.attach(model, opt, scaler, path=f"{folder}/run{next(counter)}.sqlite", **options):
-                for _ in range(3):  # the learning step, then steady state
-                    step()
-                return statistics.median(step() for _ in range(k))
-        return run
+    def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool) -> None:
+        self.model, x = model_and_batch()
+        opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
+        scaler = None if bf16 else torch.amp.GradScaler("cpu")
+        self.watch = None
+        if options == "hook floor":
+            hook_floor(self.model)
+        elif options is not None:
+            self.watch = ampwatch.attach(self.model, opt, scaler, path=f"{folder}/{name}.sqlite", **options)
+        net = torch.compile(self.model, backend=backend) if backend else self.model
+        self.step = make_step(self.model, net, x, opt, scaler, self.watch)
 
-    return {"base": lambda k: statistics.median(step() for _ in range(k)),
-            "hook floor": hook_floor(model, lambda k: statistics.median(step() for _ in range(k))),
-            "ampwatch": watched(), "replay=False": watched(replay=False),
-            "localize=False": watched(localize=False)}, model
-
-
-def compiled_variants(folder: str, backend: str) -> tuple[dict, torch.nn.Module]:
-    """A compiled copy per variant (hooks are guarded: attaching to one compiled copy and detaching
-    again would recompile it every block), ampwatch attached before compiling, as docs/localization.md says."""
-    variants = {}
-    for name, options in (("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}),
-                          ("localize=False", {"localize": False})):
-        model, x = model_and_batch()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        scaler = torch.amp.GradScaler("cpu")
-        if options is not None:
-            ampwatch.attach(model, opt, scaler, path=f"{folder}/{name}.sqlite", **options)
-        step = make_step(torch.compile(model, backend=backend), x, opt, scaler)
-        variants[name] = lambda k, step=step: statistics.median(step() for _ in range(k))
-    return variants, model
+    def block(self, n: int) -> tuple[list[float], list[bool]]:
+        """n steps: their times, and whether each observed modules (a layer_every step)."""
+        times, observed = [], []
+        for _ in range(n):
+            obs = self.watch is not None and self.watch.observer is not None and self.watch.observer.observing
+            times.append(self.step())
+            observed.append(obs)
+        return times, observed
 
 
 def main() -> None:
+    from ampwatch.record.options import SETTINGS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
-    ap.add_argument("--compile", metavar="BACKEND", help="torch.compile every copy with this backend (aot_eager)")
+    ap.add_argument("--compile", metavar="BACKEND", help="torch.compile every copy with this backend (inductor, aot_eager)")
+    ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
     args = ap.parse_args()
+    every = next(s.default for s in SETTINGS if s.name == "layer_every")
     torch.set_num_threads(1)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     folder = tempfile.mkdtemp()
-    variants, model = compiled_variants(folder, args.compile) if args.compile else eager_variants(folder)
-    for run in variants.values():
-        run(3)  # compiles, learns, warms up
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    specs = [("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}), ("localize=False", {"localize": False})]
+    if not args.compile:
+        specs.insert(1, ("hook floor", "hook floor"))
+    variants = {name: Variant(options, folder, name.replace("=", "_"), args.compile, args.fused, args.bf16)
+                for name, options in specs}
+    for v in variants.values():
+        v.block(3)  # compiles (both graphs: the first steps observe), learns, warms up
+        v.block(every - 3)  # blocks start on a layer_every step from here on
+    mean: dict[str, list[float]] = {name: [] for name in variants}
+    between: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(variants[name](args.steps))
-    modules = len(list(model.modules()))
-    params = len(list(model.parameters()))
+            times, observed = variants[name].block(every)
+            mean[name].append(statistics.fmean(times))
+            between[name].append(statistics.median(t for t, o in zip(times, observed) if not o)
+                                 if not all(observed) else statistics.median(times))
+    modules = len(list(variants["base"].model.modules()))
+    params = len(list(variants["base"].model.parameters()))
     mode = f"torch.compile({args.compile})" if args.compile else "eager"
+    opt = ("AdamW(fused=True)" if args.fused else "AdamW") + (", bf16 without a scaler" if args.bf16 else ", fp16 + GradScaler")
     print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
-          f"{mode}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, 1 thread\n")
-    print("| variant | median step ms | added ms/step (median paired) |")
-    print("|---|---|---|")
+          f"{mode}, {opt}, torch {torch.__version__}, {args.rounds} rounds x {every} steps (layer_every), 1 thread\n")
+    print("| variant | ms/step, whole blocks | added | ratio | ms/step between observed | added | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
-        added = statistics.median(v - b for v, b in zip(times[name], times["base"])) * 1e3
-        print(f"| {name} | {statistics.median(times[name]) * 1e3:.2f} | {added:+.2f} |")
+        added = statistics.median(v - b for v, b in zip(mean[name], mean["base"])) * 1e3
+        ratio = statistics.median(v / b for v, b in zip(mean[name], mean["base"]))
+        added_b = statistics.median(v - b for v, b in zip(between[name], between["base"])) * 1e3
+        ratio_b = statistics.median(v / b for v, b in zip(between[name], between["base"]))
+        print(f"| {name} | {statistics.median(mean[name]) * 1e3:.2f} | {added:+.2f} | {ratio:.3f}x "
+              f"| {statistics.median(between[name]) * 1e3:.2f} | {added_b:+.2f} | {ratio_b:.3f}x |")
+    for v in variants.values():
+        if v.watch is not None:
+            v.watch.close()
 
 
 if __name__ == "__main__":

@@ -82,3 +82,37 @@ def test_fused_optimizer_under_lightning_16_mixed(tmp_path):
     pairs = [(r, t / s) for r, t, s, k in zip(run.steps["grad_norm"], truth.norms, truth.scales, truth.skipped)
              if not k]
     assert [r for r, _ in pairs] == pytest.approx([t for _, t in pairs], rel=1e-4)
+
+
+def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, monkeypatch):
+    """On the accelerator path a fused optimizer's skip is read from the scaler's inf flag and the
+    step replayed: the overflow is localized on its own step while healthy steps between
+    ``layer_every`` steps write no module row (they were not observed)."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    fault_step = 7
+    state = {"step": 0}
+    model[2].register_forward_hook(lambda m, i, o: o * 1e6 if state["step"] == fault_step else o)
+    skipped = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"), layer_every=5) as watch:
+        for i in range(12):
+            state["step"] = i
+            x, y = data(i)
+            before = snapshot(model)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            skipped.append(not changed(before, model))
+    run = ampwatch.load(watch.path)
+    assert skipped == [i == fault_step for i in range(12)]  # the truth: only the fault step skipped
+    assert list(run.steps["skipped"]) == skipped
+    origin = run.events[run.events["origin"]]
+    assert set(origin["step"]) == {fault_step}
+    assert origin.iloc[0]["module"] == "2" and origin.iloc[0]["phase"] == "forward"
+    assert set(run.modules["step"]) == {0, 5, 10, fault_step}  # layer_every steps and the replayed one
+    assert "replay-not-reproduced" not in set(run.notices["code"])

@@ -244,7 +244,8 @@ def test_bad_options_are_one_line_errors(tmp_path):
     ("model", "model", "model must be the torch.nn.Module being trained, got str 'model'"),
     ("model", None, "model must be the torch.nn.Module being trained, got NoneType None"),
     ("optimizer", "adam", "optimizer must be a torch.optim.Optimizer"),
-    ("scaler", "x", "scaler must be a torch.amp.GradScaler, or None for bf16/fp32 runs, got str 'x'"),
+    ("scaler", "x", "scaler must be a torch.amp.GradScaler (or an object that holds one as ._scaler, like timm's "
+                    "NativeScaler), or None for bf16/fp32 runs, got str 'x'"),
     ("path", 123, "path must be a str or pathlib.Path, got int 123"),
     ("name", 5, "name must be None or a str, got int 5"),
     ("config", "lr=1", "config must be None or a dict of hyper-parameters, got str 'lr=1'"),

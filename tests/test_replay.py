@@ -262,7 +262,9 @@ def test_compiled_training_replays_a_skipped_step_in_eager(tmp_path):
     graphs = counters["stats"]["unique_graphs"]
     counters.clear()
     replayed, losses, _, _ = train(tmp_path, "replay", fault="forward", compiled=True)
-    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == graphs
+    # one more graph, compiled once: the one observed steps and replays run (the unobserved steps
+    # run a graph with no ampwatch op, the same as without ampwatch)
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == graphs + 1
     assert _same(losses, plain_losses)
     live = train(tmp_path, "live", fault="forward", replay=False)[0]
     a, b = _events(replayed), _events(live)
@@ -270,13 +272,13 @@ def test_compiled_training_replays_a_skipped_step_in_eager(tmp_path):
     assert len(b) and a[cols].equals(b[cols])
 
 
-@pytest.mark.parametrize("case", ["host-path", "no-scaler", "fused", "option-off"])
+@pytest.mark.parametrize("case", ["host-path", "no-scaler", "option-off"])
 def test_steps_that_cannot_be_replayed_are_observed_live(tmp_path, monkeypatch, case):
+    """(A fused optimizer is replayed: its skip is read from the scaler's inf flag, test_fused.py.)"""
     if case == "host-path":
         monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR")
     model = Net()
-    fused = case == "fused"
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = None if case == "no-scaler" else torch.amp.GradScaler("cpu")
     options = {"replay": False} if case == "option-off" else {}
     with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), **options) as watch:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import click
 
-from ..errors import OutputError, RunError
+from ..errors import DashboardError, OutputError, RunError
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -50,7 +50,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (RunError, OutputError) as exc:  # the one-line contract for bad input
+        except (RunError, OutputError, DashboardError) as exc:  # the one-line contract for bad input
             click.echo(f"ampwatch: {exc}", err=True)
             ctx.exit(2)
 
@@ -208,6 +208,26 @@ def demo(out: str, only: tuple) -> None:
         written = make_samples(target, names, progress=bar.update)
     for path in written:
         click.echo(f"wrote {path}")
+
+
+@cli.command()
+@click.argument("folder", default="runs")
+@click.option("--port", default=None, metavar="N", help="port to serve on  [default: 8501, or the next free one]")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to listen on (0.0.0.0: every interface, so other machines can connect)")
+def dashboard(folder: str, port: Optional[str], host: str) -> None:
+    """Start the dashboard on the runs in FOLDER (default: runs) and print its address.
+
+    It listens on this machine only (127.0.0.1) unless --host says otherwise, and sends no usage
+    statistics, whatever folder you start it from. Needs the dashboard extra:
+    pip install 'ampwatch[dashboard]'. Stop it with Ctrl-C.
+
+    \b
+    Example:
+        ampwatch dashboard sample_runs --port 8502
+    """
+    from ..dashboard.launch import start
+    start(folder, port, host)  # replaces this process with Streamlit
 
 
 @cli.command()

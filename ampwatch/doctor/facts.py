@@ -70,6 +70,15 @@ class Facts:
         s["skipped"] = s["skipped"].astype(bool)
         return s, has_loss
 
+    def ask(self, sql: str, params: tuple = ()) -> pd.DataFrame:
+        """One narrow question from a rule module (filter and aggregate inside SQLite)."""
+        return self._query(sql, params)
+
+    def has_table(self, name: str) -> bool:
+        """Whether the run file has table ``name`` (files of older schemas lack the newer ones)."""
+        return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                  (name,)).fetchone() is not None
+
     # -- small tables, read whole on first use -----------------------------------------------------
 
     @cached_property

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .finding import Finding, num
+from .fp8 import ERR_FACTOR, ERR_MIN, FLUSH_WARN, fp8_cast_loss, fp8_output_error
 from .facts import Facts
 from .misuse import misuse_clip_scaled, misuse_config, misuse_notices, run_crashed
 from .numerics import (FP32_MODULE_TYPES, HEADROOM_FACTOR, HEADROOM_MIN_ROWS, UNDERFLOW_EXCESS,
@@ -33,11 +34,12 @@ RULES: list[Callable[[Facts], list[Finding]]] = [
     lone_skips, scale_stuck_low,
     grad_underflow, activation_headroom, activation_trend, scale_falling, loss_spike, grad_norm_explosion,
     misuse_config, misuse_clip_scaled,
-    misuse_notices, step_not_reproduced,
+    misuse_notices, step_not_reproduced, fp8_cast_loss, fp8_output_error,
 ]
 
 __all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "outliers",
            "SKIP_RATE_WARN", "SKIP_RATE_ERROR", "PROBE_RATE_WARN", "SAME_ORIGIN_MIN", "SKIP_MIN_COUNT", "SKIP_MIN_STEPS", "COLLAPSE_STREAK",
            "STUCK_HEADROOM", "STUCK_MIN_STEPS", "UNDERFLOW_SCALED_AMAX", "UNDERFLOW_EXCESS",
            "UNDERFLOW_MIN_FRAC", "HEADROOM_FACTOR", "HEADROOM_MIN_ROWS", "FP32_MODULE_TYPES",
-           "OUTLIER_WINDOW", "OUTLIER_MIN_HISTORY", "LOSS_SPIKE", "GRAD_SPIKE", "WEIGHT_JUMP"]
+           "OUTLIER_WINDOW", "OUTLIER_MIN_HISTORY", "LOSS_SPIKE", "GRAD_SPIKE", "WEIGHT_JUMP",
+           "FLUSH_WARN", "ERR_FACTOR", "ERR_MIN"]

@@ -50,6 +50,7 @@ import torch
 
 from . import torch_access
 from .batched import BatchedReducer
+from .copies import ours
 from .hoststats import HostQueue, HostStats
 from .slots import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
 
@@ -299,7 +300,7 @@ class ModuleObserver:
                 self._add_pre_hook(index)
 
     def _hook(self, index: int, pre: bool, fn: Any) -> None:
-        self._specs.append((index, pre, fn))
+        self._specs.append((index, pre, ours(fn)))
         if self._hooked:
             self._register(index, pre, fn)
 

@@ -79,6 +79,27 @@ def resolve(options: dict[str, Any]) -> dict[str, Any]:
 
 # What attach needs of a scaler: the four calls it wraps, and is_enabled (bf16/fp32 runs pass None).
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "is_enabled")
+# Where libraries that drive AMP through an object of their own keep its GradScaler: timm's
+# NativeScaler (``loss_scaler._scaler``); Accelerate's Accelerator and Lightning's precision plugin
+# (``.scaler``). Their calls go through that scaler's methods, which is what the watch wraps.
+_HELD_AS = ("_scaler", "scaler")
+
+
+def _is_scaler(obj: Any) -> bool:
+    return all(callable(getattr(obj, m, None)) for m in _SCALER_METHODS)
+
+
+def held_scaler(scaler: Any) -> Any:
+    """The GradScaler to hook: ``scaler`` itself (or None), else the one it holds the way timm's
+    ``NativeScaler`` does (``._scaler``) or ``.scaler``. Anything else comes back unchanged, for
+    :func:`check_arguments` to refuse."""
+    if scaler is None or _is_scaler(scaler):
+        return scaler
+    for attr in _HELD_AS:
+        inner = getattr(scaler, attr, None)
+        if inner is not None and _is_scaler(inner):
+            return inner
+    return scaler
 
 
 def check_arguments(model: Any, optimizer: Any, scaler: Any, name: Any, config: Any) -> None:
@@ -97,8 +118,13 @@ def check_arguments(model: Any, optimizer: Any, scaler: Any, name: Any, config: 
     if not isinstance(optimizer, torch.optim.Optimizer) and \
             not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         raise wrong("optimizer", optimizer, "a torch.optim.Optimizer (e.g. torch.optim.AdamW(model.parameters()))")
-    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in _SCALER_METHODS):
-        raise wrong("scaler", scaler, "a torch.amp.GradScaler, or None for bf16/fp32 runs")
+    if scaler is not None and not _is_scaler(held_scaler(scaler)):
+        held = [a for a in _HELD_AS if hasattr(scaler, a)]
+        if held and getattr(scaler, held[0]) is None:  # an Accelerator without fp16: no scaler at all
+            raise ArgumentTypeError(f"ampwatch.attach: the {type(scaler).__name__} passed as scaler holds no "
+                                    f"GradScaler (its .{held[0]} is None): pass scaler=None for a bf16/fp32 run")
+        raise wrong("scaler", scaler, "a torch.amp.GradScaler (or an object that holds one as ._scaler, "
+                    "like timm's NativeScaler), or None for bf16/fp32 runs")
     if name is not None and not isinstance(name, str):
         raise wrong("name", name, "None or a str")
     if config is not None and not isinstance(config, dict):

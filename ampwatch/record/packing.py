@@ -41,6 +41,7 @@ class StepPack:
     exact_counts: bool = True          # module NaN/inf counts were paid for (free host reads)
     host_stats: bool = False           # the module stats are hoststats.HostStats' doubles (free reads)
     scalars: Optional[list[float]] = None  # free reads: the scalars as read (then flat holds only the stats)
+    fp8: Any = None                    # fp8.Fp8Values of a layer_every step of a run with fp8 layers
 
 
 def _nullable(x: Optional[float]) -> Optional[float]:
@@ -126,6 +127,8 @@ class PackReader:
                                None, None, None, None, None, None))
         if pack.loc is not None:
             self._localization_rows(pack, analysis, out)
+        if pack.fp8 is not None:
+            out.fp8_layers.extend(pack.fp8.rows())
         return out
 
     def _grad_name(self, analysis: "_Analysis", pid: int) -> str:

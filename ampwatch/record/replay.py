@@ -22,9 +22,10 @@ What is given up against observing every step: a non-finite module value that re
 the loss nor any gradient (masked) is seen on ``layer_every`` steps only, as on the CPU path; and a
 replay is a second run of the step, so a step that is not reproducible (a compiled model replayed
 in eager, nondeterministic kernels) is localized from the replay's values. It needs the skip known
-on the host: not with a fused optimizer (it skips inside its kernel), nor without a scaler (bf16: a
-bad step updates the weights), nor under DDP/FSDP (a replay would start collectives on one rank).
-There the module hooks observe every step, as before.
+on the host: a fused optimizer skips inside its kernel, so there the watch reads the scaler's inf
+flag once per step (a sync, the one a non-fused GradScaler loop already pays inside scaler.step());
+not without a scaler (bf16: a bad step updates the weights), nor under DDP/FSDP (a replay would
+start collectives on one rank). There the module hooks observe every step, as before.
 """
 from __future__ import annotations
 
@@ -36,15 +37,15 @@ import torch
 
 from . import torch_access
 from .backward import grad_outputs_of as backward_outputs
+from .copies import ours
 from .observe import add_grad_hook
 
 MAX_BATCHES = 1024  # root forwards kept per step, at most
 
 
-def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, fused: bool,
-             reads_free: bool) -> bool:
+def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, reads_free: bool) -> bool:
     """Whether a skipped step of this training can be replayed (see the module docstring)."""
-    if reads_free or scaler is None or fused or not torch_access.scaler_enabled(scaler):
+    if reads_free or scaler is None or not torch_access.scaler_enabled(scaler):
         return False
     wrapped = {"DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"}
     if any(type(m).__name__ in wrapped or type(m).__name__.startswith("FSDP") for m in model.modules()):
@@ -112,8 +113,8 @@ class Replayer:
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
         # kept eager under torch.compile(model): the root's hooks run outside its graph
         self._handles = [
-            root.register_forward_pre_hook(torch._dynamo.disable(self._keep), with_kwargs=True),
-            root.register_forward_hook(torch._dynamo.disable(self._outputs), with_kwargs=True),
+            root.register_forward_pre_hook(ours(torch._dynamo.disable(self._keep)), with_kwargs=True),
+            root.register_forward_hook(ours(torch._dynamo.disable(self._outputs)), with_kwargs=True),
         ]
 
     def _rng(self) -> tuple:

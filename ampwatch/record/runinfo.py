@@ -122,6 +122,35 @@ def tied_owners(model: torch.nn.Module, params: list[torch.Tensor], module_names
     return {pid: o for pid, o in owners.items() if len({m for m, _ in o}) > 1}
 
 
+def param_count(model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+    """Elements of the tracked parameters (tied weights once: ``params`` holds each once), less
+    those of copies of the trained model held inside the watched module: an EMA or SWA average
+    (timm's ``ModelEmaV3`` in a task object, torch's ``AveragedModel``) would count the model
+    twice. Frozen parameters of the model itself still count."""
+    copies = _copies_of_trained_model(model, {id(p) for g in optimizer.param_groups for p in g["params"]})
+    return sum(p.numel() for p in params if id(p) not in copies)
+
+
+def _copies_of_trained_model(model: torch.nn.Module, trained: set[int]) -> set[int]:
+    """Ids of the parameters of every submodule that holds none of the optimizer's parameters
+    and has the same parameter names and shapes as a module holding all of them (the trained
+    model, or one of its ancestors). A frozen layer of the model itself is no such copy: no
+    module that holds every trained parameter looks like it."""
+    subtrees = []
+    for _, module in model.named_modules():
+        named = list(module.named_parameters())
+        subtrees.append(({id(p) for _, p in named}, tuple((n, tuple(p.shape)) for n, p in named)))
+    trained_here = trained & subtrees[0][0]
+    if not trained_here:  # the optimizer holds copies of its own (fp32 master weights): nothing to compare
+        return set()
+    trained_model = {shape for ids, shape in subtrees if trained_here <= ids}
+    copies: set[int] = set()
+    for ids, shape in subtrees:
+        if shape and ids.isdisjoint(trained) and shape in trained_model:
+            copies |= ids
+    return copies
+
+
 def describe_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
                  name: Optional[str], config: Optional[dict], options: dict[str, Any],
                  params: list[torch.Tensor]) -> dict[str, Any]:
@@ -133,7 +162,7 @@ def describe_run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scale
         "name": name, "status": "running", "started_at": time.time(), "heartbeat_at": time.time(),
         "pid": os.getpid(), "hostname": socket.gethostname(), "torch_version": torch.__version__,
         "ampwatch_version": __version__, "device": str(device), "amp_dtype": None,
-        "optimizer": type(optimizer).__name__, "param_count": sum(p.numel() for p in params),
+        "optimizer": type(optimizer).__name__, "param_count": param_count(model, optimizer, params),
         "rank": rank, "world_size": world, "framework": options.get("framework"),
         "job_id": job_id(world), "grad_sharding": grad_sharding(model, params, world),
         "layer_every": options["layer_every"], "localize": int(options["localize"]),

@@ -6,13 +6,14 @@ later watch wrapped ours (then ours stays in its chain as a pass-through).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
+from . import copies
+
 METHODS = ("scale", "unscale_", "step", "update")
-_MISSING = object()
+_MISSING = copies.MISSING
 
 
 class ScalerHooks:
@@ -21,16 +22,21 @@ class ScalerHooks:
         self._patched: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
         self.inside_step = False  # an unscale_ now comes from scaler.step, not from the user
+        self._copy_safe: list[Any] = []
 
     def install(self) -> None:
         for method in METHODS:
             original = getattr(self.scaler, method)
             self._patched[method] = self.scaler.__dict__.get(method, _MISSING)
-            wrapper = functools.partial(getattr(self, f"_{method}"), original)
+            # a Patch: copies and pickles of the scaler get the method it replaced (copies.py)
+            wrapper = copies.patch(self._patched[method], getattr(self, f"_{method}"), original)
             self._wrappers[method] = wrapper
             setattr(self.scaler, method, wrapper)
+        self._copy_safe = copies.leave_out_of_copies([self.scaler])
 
     def unpatch(self) -> None:
+        copies.release(self._copy_safe)
+        self._copy_safe = []
         for method, previous in self._patched.items():
             if self.scaler.__dict__.get(method) is not self._wrappers.get(method):
                 continue  # another watch wrapped ours: unlinking would drop its wrapper

@@ -30,7 +30,7 @@ from .runinfo import describe_run, module_aliases, parameter_table, resolve_path
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
-from . import replay
+from . import copies, fp8, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
@@ -86,6 +86,7 @@ class Watch:
         self._failed = False
         self._bad_log_keys: set[str] = set()  # watch.log keys already warned about
         self._handles: list[Any] = []
+        self._copy_safe: list[Any] = []  # modules whose copies leave our hooks out (copies.py)
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
         self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
@@ -100,14 +101,20 @@ class Watch:
         self._reads_free = torch_access.reads_are_free(self._device)  # fixed for the run: asked once
         self._scale_reads = torch_access.ScaleReads()  # the scale as a float, read again only when it changed
         self._fused = torch_access.steps_inside_kernel(self.optimizer)
+        self._fused_inv_scale: Any = None  # a fused step's 1/scale, for the detail of a skipped step
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
         self.step = 0
         self.observer: Optional[ModuleObserver] = None
         self.replayer: Optional[replay.Replayer] = None
+        self.fp8: Optional[fp8.Fp8Recorder] = None
         self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
         info["loss_definition"] = "scaled-sum" if scaler is not None else "logged-mean"
+        fp8_layers = fp8.find_layers(_uncompiled(model))
+        if fp8_layers:  # an fp8 run: amp_dtype says float8, not the autocast dtype of its other ops
+            info.update(fp8.describe(fp8_layers))
+            self._amp_seen = True
         self._place(path, info)
         try:
             self._open_writer(info, names)
@@ -115,6 +122,7 @@ class Watch:
             self._fail(exc)
             return
         self._install()
+        self._watch_fp8(fp8_layers)
         _open_watches.add(self)
 
     def _place(self, path: Optional[str], info: dict) -> None:
@@ -143,7 +151,7 @@ class Watch:
                 from .recompute import InputKeeper
                 self.observer.keeper = InputKeeper(self.observer)
             if self.options["replay"] and replay.possible(_uncompiled(self.model), self._params, self.scaler,
-                                                          self._fused, self._reads_free):
+                                                          self._reads_free):
                 self.replayer = replay.Replayer(_uncompiled(self.model), self._device)
         shared = module_aliases(_uncompiled(self.model)) if module_names else {}
         tensors = list(names) + [
@@ -163,12 +171,13 @@ class Watch:
     def _install(self) -> None:
         opt, model = self.optimizer, _uncompiled(self.model)
         _guard_module_hooks()
+        self._copy_safe = copies.leave_out_of_copies(model.modules())
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
         # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
         # the children look too. They are a no-op after the first step: removed then, unless Dynamo
         # traced them (removing a hook would make torch.compile recompile the model)
-        probes_ = [_AutocastProbe(self) for _ in range(1 + len(list(model.children())))]
+        probes_ = [copies.ours(_AutocastProbe(self)) for _ in range(1 + len(list(model.children())))]
         self._probes = [m.register_forward_pre_hook(probe) for m, probe in zip((model, *model.children()), probes_)]
         self._probe_objects = probes_
         self._trigger = BackwardEnd(model, self._params, self.guarded(self._on_backward),
@@ -176,6 +185,17 @@ class Watch:
         if self._scaler_hooks is not None:
             self._scaler_hooks.install()
         clipping.listen(self)
+
+    def _watch_fp8(self, layers: list) -> None:
+        if not layers:
+            return
+        if _uncompiled(self.model) is not self.model:  # hooks added per step would recompile the model
+            self.writer.put_notice(0, "fp8-not-measured", "the model is compiled: its fp8 casts are not "
+                                   "measured (attach to the model before torch.compile to measure them)")
+            return
+        self.fp8 = fp8.Fp8Recorder(layers, self.guarded)
+        if self._detail_step():
+            self.fp8.arm()
 
     def guarded(self, fn: Any) -> Any:
         """``fn`` made safe for training: an internal failure warns once and stops recording."""
@@ -216,6 +236,8 @@ class Watch:
             self.observer.remove()
         if self.replayer is not None:
             self.replayer.remove()
+        if self.fp8 is not None:
+            self.fp8.disarm()
 
     def _detail_step(self) -> bool:
         return self.step % self.options["layer_every"] == 0
@@ -306,15 +328,26 @@ class Watch:
                                    "scaler.step() was called again before scaler.update()")
             self.end_step(None, None)
         self.state.scaler_stepped = True
+        self._fused_inv_scale = None
         if (self._fused and torch_access.scaler_enabled(self.scaler)
                 and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer)):
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
             inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
             if inv_scale is not None:
+                self._fused_inv_scale = inv_scale
                 self.grads.measure(self._detail_step(), inv_scale=inv_scale)
 
     def after_scaler_step(self) -> None:
         skipped = torch_access.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
+        if self._fused and self.replayer is not None and not self.observer.observing:
+            # sync point, once per step: a fused optimizer skips inside its kernel, so only the
+            # scaler's inf flag tells the host (a non-fused GradScaler loop pays this read in step())
+            flag = torch_access.found_inf(self.scaler, self.optimizer)
+            if flag is not None and bool(flag.item()):
+                self.grads.measure_detail(None, inv_scale=self._fused_inv_scale)
+                self._replay()
+            self._fp32_check(False)
+            return
         if skipped:
             # known without a sync: GradScaler did not call optimizer.step(). A bad step: pay for counts.
             self.grads.measure(self._detail_step())
@@ -383,10 +416,15 @@ class Watch:
         now = time.time()
         if self._trigger is not None:
             self._trigger.step_ended(bool(self.state.scale_calls or self.state.stepped))
-        self.writer.put_step(pack_step(self, scale, found, now))
+        pack = pack_step(self, scale, found, now)
+        if self.fp8 is not None and self.fp8.armed:  # a layer_every step: its fp8 values, disarmed
+            pack.fp8 = self.fp8.take(self.step)
+        self.writer.put_step(pack)
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
         self.step += 1
+        if self.fp8 is not None and self._detail_step():
+            self.fp8.arm()
         if self.replayer is not None:  # module values measured live on layer_every steps only
             self.replayer.clear()
             self.observer.set_observing(self._detail_step())
@@ -447,6 +485,10 @@ class Watch:
             self.observer.remove()
         if self.replayer is not None:
             self.replayer.remove()
+        if self.fp8 is not None:
+            self.fp8.disarm()
+        copies.release(self._copy_safe)
+        self._copy_safe = []
         writer = getattr(self, "writer", None)
         if writer is not None:
             writer.close(status, error)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TABLES = ("steps", "layers", "modules", "events", "metrics")
+TABLES = ("steps", "layers", "modules", "events", "metrics", "fp8_layers")
 
 
 @dataclass
@@ -17,6 +17,7 @@ class Rows:
     modules: list[tuple] = field(default_factory=list)
     events: list[tuple] = field(default_factory=list)
     metrics: list[tuple] = field(default_factory=list)
+    fp8_layers: list[tuple] = field(default_factory=list)
 
     def extend(self, other: "Rows") -> None:
         for name in TABLES:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-SCHEMA_VERSION = 5  # the number of migrations below; readers accept any version up to it
+SCHEMA_VERSION = 6  # the number of migrations below; readers accept any version up to it
 
 # SQLite stores a float NaN as NULL. Columns that may legitimately hold NaN get a bit in the row's
 # ``nan_mask`` so readers can tell "NaN" from "not measured" (see docs/schema.md).
@@ -164,6 +164,34 @@ def m005_low_precision_rerun(db: Database) -> None:
         ALTER TABLE events ADD COLUMN lowp_amax REAL;     -- forward origins whose fp32 recompute was finite:
                                                           -- max |output| re-run in the call's own dtypes
         ALTER TABLE events ADD COLUMN lowp_nan INTEGER;   -- 1: that re-run gave NaN (stored NULL above)
+        """
+    )
+
+
+@migrations()
+def m006_fp8(db: Database) -> None:
+    """FP8 training: the run's fp8 recipe, and what each fp8 layer's casts lose on layer_every steps."""
+    db.executescript(
+        """
+        ALTER TABLE run ADD COLUMN fp8_recipe TEXT;     -- tensorwise | rowwise | rowwise_with_gw_hp | custom | mixed
+        ALTER TABLE run ADD COLUMN fp8_casts TEXT;      -- JSON: role -> "e4m3 tensorwise" ...
+        ALTER TABLE run ADD COLUMN fp8_layers INTEGER;  -- number of fp8 layers found at attach
+        CREATE TABLE fp8_layers (
+            step INTEGER NOT NULL,
+            module TEXT NOT NULL,            -- the fp8 layer's qualified name
+            role TEXT NOT NULL,              -- input | weight | grad_output | ..._for_grad_* | output
+            dtype TEXT,                      -- e4m3 | e5m2 (NULL for output)
+            scaling TEXT,                    -- tensorwise | rowwise (NULL for output)
+            amax REAL,                       -- max |value| (output: of the high-precision output)
+            scale REAL,                      -- the scale the recipe derives (rowwise: the smallest)
+            p99 REAL,                        -- 99th percentile of |value|
+            flush_frac REAL,                 -- nonzero values the cast makes 0, over nonzero values
+            sat_frac REAL,                   -- values beyond the fp8 maximum, over all values
+            rel_err REAL,                    -- output only: ||fp8 output - high precision|| / ||high precision||
+            numel INTEGER,
+            nonfinite INTEGER,               -- NaN/inf elements in the tensor
+            PRIMARY KEY (step, module, role)
+        ) WITHOUT ROWID;
         """
     )
 

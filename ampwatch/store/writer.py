@@ -40,6 +40,8 @@ _INSERTS = {
     "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch,"
               " fp32_amax, fp32_nan, flows_into, lowp_amax, lowp_nan) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
     "metrics": "INSERT OR REPLACE INTO metrics (key, step, value) VALUES (?,?,?)",
+    "fp8_layers": "INSERT OR REPLACE INTO fp8_layers (step, module, role, dtype, scaling, amax, scale, p99,"
+                  " flush_frac, sat_frac, rel_err, numel, nonfinite) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
 }
 
 
