@@ -26,18 +26,20 @@ from ..store.reader import Run
 # the run's name cannot).
 RUN_FIELDS = ("amp_dtype", "scaler_enabled", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
               "loss_definition", "clip_max_norm", "optimizer", "param_count", "torch_version", "ampwatch_version",
-              "device", "hostname", "world_size", "grad_sharding", "framework", "layer_every", "localize")
+              "device", "hostname", "world_size", "grad_sharding", "framework", "layer_every", "localize",
+              "fp8_recipe", "fp8_casts", "fp8_layers")
 
 # Explicit mantissa bits of the dtypes a run can compute in. The default tolerance is ULPS units in
 # the last place of the coarser dtype of the two runs: one step of rounding in float16 or bfloat16
 # moves the figures compared here by a few units (measured: at most 1e-3 apart for float16 vs
 # float32 and 3.5e-2 for bfloat16 vs float32 over a tiny MLP's first steps), so ten keep that noise
-# out until it grows. A float name not listed is taken as bfloat16-coarse.
-MANTISSA_BITS = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7, "float8_e4m3fn": 3,
+# out until it grows. An fp8 run's ``amp_dtype`` is "float8": its forward format, e4m3. A float name
+# not listed is taken as bfloat16-coarse.
+MANTISSA_BITS = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7, "float8": 3, "float8_e4m3fn": 3,
                  "float8_e4m3fnuz": 3, "float8_e5m2": 2, "float8_e5m2fnuz": 2}
 ULPS = 10
-# In float32 the order of a reduction alone (torch.compile, another torch, another device) moves
-# norms by about 1e-6 relative, well above ten float32 units: the floor keeps that out.
+# A long float32 sum taken in another order (torch.compile, another torch, another device) can
+# move by more than ten float32 units: the floor keeps that out (a choice, not a measurement).
 RTOL_FLOOR = 1e-4
 RTOL_CAP = 0.5
 
