@@ -153,14 +153,35 @@ def ls_(folder: str) -> None:
 @cli.command()
 @click.argument("path")
 @click.option("--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True)
-@click.option("--out", "out", required=True, help="folder to write into (created if missing)")
-def export(path: str, fmt: str, out: str) -> None:
-    """Write a run's steps, layers, modules, events and metrics as CSV or Parquet files.
+@click.option("--to", "to", type=click.Choice(["tensorboard", "mlflow", "wandb"]), default=None,
+              help="write into a tracker instead: AMP series under amp/ at their true steps, findings as text "
+                   "(PATH may be a folder of runs)")
+@click.option("--out", "out", help="folder to write into (created if missing); with --to tensorboard: the log "
+                                   "folder (one subfolder per run); required except for --to mlflow/wandb")
+def export(path: str, fmt: str, to: Optional[str], out: Optional[str]) -> None:
+    """Write a run's steps, layers, modules, events and metrics as CSV or Parquet files, or
+    (--to) into TensorBoard, MLflow or Weights & Biases.
+
+    MLflow uses MLFLOW_TRACKING_URI (and MLFLOW_EXPERIMENT_NAME); W&B its own environment
+    (WANDB_PROJECT, WANDB_MODE=offline, ...).
 
     \b
     Example:
         ampwatch export runs/exp1.sqlite --format csv --out exported/
+        ampwatch export runs/ --to tensorboard --out tb_logs/
+        MLFLOW_TRACKING_URI=http://localhost:5000 ampwatch export runs/exp1.sqlite --to mlflow
     """
+    if to is not None:
+        if click.get_current_context().get_parameter_source("fmt").name == "COMMANDLINE":
+            raise click.UsageError("--format is for files; --to writes into a tracker: pass one of them")
+        from ..trackers.export import export_paths
+        status = 0
+        for ok, line in export_paths(path, to, out, _output_folder):
+            click.echo(line if ok else f"ampwatch: {line}", err=not ok)
+            status = status if ok else 2
+        sys.exit(status)
+    if out is None:
+        raise click.UsageError("Missing option '--out'.")
     run = _load(path)
     target = _output_folder(out)
     if fmt == "parquet":

@@ -165,7 +165,12 @@ class Watch:
         packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
                            [len(names) + i for i in range(len(module_names))], module_names,
                            self.options["layer_every"], tied)
-        self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"])
+        mirror = None
+        if self.options["mirror"] is not None:  # the tracker is fed from the writer thread
+            from ..trackers.live import open_mirror
+            mirror = open_mirror(self.options["mirror"], packs.param_names, packs.module_ids,
+                                 self.observer.types if self.observer else [], str(self.path))
+        self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"], on_commit=mirror)
         log.info("recording to %s", self.path)
 
     def _install(self) -> None:
