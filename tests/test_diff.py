@@ -186,3 +186,16 @@ def test_sample_runs_of_another_init_scale_part_at_the_first_step():
                  or sa.at[s, "skipped"] != sb.at[s, "skipped"])
     assert d.parting_step == truth
     assert d.steps_only == ([50, 250, 299], [0, 0, 0])
+
+
+def test_the_docs_example_is_real_output(monkeypatch):
+    monkeypatch.chdir(SAMPLES.parent)
+    command = "ampwatch diff sample_runs/healthy_fp16.sqlite sample_runs/bf16_noscaler.sqlite"
+    page = (SAMPLES.parent / "docs" / "doctor.md").read_text()
+    shown = page.split(f"$ {command}\n", 1)[1].split("```", 1)[0].splitlines()
+    result = invoke("sample_runs/healthy_fp16.sqlite", "sample_runs/bf16_noscaler.sqlite")
+    assert result.exit_code == 1
+    assert len([line for line in shown if line != "..."]) >= 6
+    for line in shown:
+        if line != "...":
+            assert line in result.output.splitlines(), line

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ..doctor.diff import Gap, RunDiff
+from ..doctor.diff import MANTISSA_BITS, RTOL_CAP, RTOL_FLOOR, ULPS, Gap, RunDiff
 
 FIGURE_NAMES = {"loss": "loss", "grad_norm": "gradient norm", "loss_scale": "loss scale", "skipped": "skipped",
                 "param_norm": "parameter norm", "amax": "max |value|"}
@@ -62,8 +62,13 @@ def format_diff(d: RunDiff) -> str:
 
 
 def _tolerance(d: RunDiff) -> list[str]:
+    units = ULPS * 2.0 ** -MANTISSA_BITS.get(d.rtol_source, MANTISSA_BITS["bfloat16"])
     if d.rtol_source == "given":
         source = "as given"
+    elif units < RTOL_FLOOR:
+        source = f"the floor for {d.rtol_source} runs; --rtol to change"
+    elif units > RTOL_CAP:
+        source = f"the cap, {d.rtol_source} being the coarser dtype; --rtol to change"
     else:
         source = f"ten units in the last place of {d.rtol_source}, the coarser dtype; --rtol to change"
     return [f"tolerance  {d.rtol:.3g} relative ({source})",
@@ -79,7 +84,8 @@ def _coverage(d: RunDiff) -> list[str]:
             lines.append(f"           {count} step(s) only in {side} ({first}-{last}): not compared")
     for table, (only_a, only_b) in d.names_only.items():
         if only_a or only_b:
-            lines.append(f"           {table}: {only_a} only in a, {only_b} only in b (compared on the names both have)")
+            lines.append(f"           {table}: {only_a} only in a, {only_b} only in b "
+                         "(compared on the names both have)")
     for fig in d.not_compared:
         lines.append(f"           {FIGURE_NAMES.get(fig, fig)} not compared: one run never recorded it")
     return lines

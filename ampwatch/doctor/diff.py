@@ -107,8 +107,10 @@ class RunDiff:
         return min(steps) if steps else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"a": {"name": self.names[0], "path": self.paths[0]}, "b": {"name": self.names[1], "path": self.paths[1]},
-                "parted": self.parted, "parting_step": self.parting_step, "rtol": self.rtol, "rtol_source": self.rtol_source,
+        return {"a": {"name": self.names[0], "path": self.paths[0]},
+                "b": {"name": self.names[1], "path": self.paths[1]},
+                "parted": self.parted, "parting_step": self.parting_step,
+                "rtol": self.rtol, "rtol_source": self.rtol_source,
                 "settings": [{"field": f, "a": _plain(a), "b": _plain(b)} for f, a, b in self.settings],
                 "steps_shared": self.steps_shared,
                 "steps_only_a": self.steps_only[0], "steps_only_b": self.steps_only[1],
@@ -369,4 +371,5 @@ def _plain(x: Any) -> Any:
     return x
 
 
-__all__ = ["diff_runs", "default_rtol", "run_settings", "rel_diff", "RunDiff", "Gap"]
+__all__ = ["diff_runs", "default_rtol", "run_settings", "rel_diff", "parting", "RunDiff", "Gap", "MANTISSA_BITS",
+           "ULPS", "RTOL_FLOOR", "RTOL_CAP"]
