@@ -325,6 +325,35 @@ def _doctor_folder(path: str, as_json: bool, failing: set) -> None:
     sys.exit(status)
 
 
+@cli.command()
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--rtol", type=click.FloatRange(min=0), default=None,
+              help="relative tolerance for loss, norms and maxima (default: ten units in the last place of "
+                   "the coarser dtype: 0.0098 for float16, 0.078 for bfloat16, 1e-4 for float32)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def diff(run_a: str, run_b: str, rtol: Optional[float], as_json: bool) -> None:
+    """Where two runs part: the first step, layer and module whose recorded figures differ beyond
+    a tolerance, how far apart, and the settings that differ (dtype, scaler, torch, config).
+
+    Steps are aligned by number; runs of different dtypes or lengths are compared on what they
+    share. Exit status: 0 no figure parts, 1 the runs part, 2 unreadable input or no shared step.
+
+    \b
+    Example:
+        ampwatch diff runs/eager.sqlite runs/compiled.sqlite
+        ampwatch diff sample_runs/healthy_fp16.sqlite sample_runs/bf16_noscaler.sqlite --json
+    """
+    from ..doctor.diff import diff_runs
+    from .diff_report import format_diff
+    result = diff_runs(_load(run_a), _load(run_b), rtol=rtol)
+    if not result.steps_shared:
+        raise RunError(f"{run_a!r} and {run_b!r} share no recorded step: nothing to compare "
+                       "(steps are aligned by number)")
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_diff(result))
+    sys.exit(1 if result.parted else 0)
+
+
 def _json_report(run: Any, findings: list, verdict: str) -> dict:
     """``findings``: the flat list in report order (each with ``cause``); ``causes``: the same
     findings as a tree, each root with its ``consequences``."""
