@@ -43,7 +43,11 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
     from .record.watch import Watch
     from .record.options import check_arguments, held_scaler
     check_arguments(model, optimizer, scaler, name, config)
-    return Watch(model, optimizer, held_scaler(scaler), path=path, name=name, config=config, **options)
+    open_mirror = None
+    if options.get("mirror") is not None:  # trackers are a face over the recorder: wired in here
+        from .trackers.live import open_mirror
+    return Watch(model, optimizer, held_scaler(scaler), path=path, name=name, config=config,
+                 open_mirror=open_mirror, **options)
 
 
 def load(path: Any) -> "Run":

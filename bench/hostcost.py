@@ -22,6 +22,7 @@ is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
     python bench/hostcost.py --path cpu        # the free-reads path instead
     python bench/hostcost.py --compile inductor --rounds 6   # compiled copies (no model graph breaks)
     python bench/hostcost.py --fused           # AdamW(fused=True): a skip is read from the inf flag
+    python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
 """
 from __future__ import annotations
 
@@ -72,17 +73,27 @@ def hook_floor(model: torch.nn.Module) -> None:
         m.register_forward_hook(hook, with_kwargs=True)
 
 
-def make_step(model, net, x, opt, scaler):
+def make_step(model, net, x, opt, scaler, watch):
+    """fp16 with a GradScaler; or, without a scaler, bf16 with the loss given to ``watch.log``."""
+    dtype = torch.float16 if scaler is not None else torch.bfloat16
+
     def step() -> float:
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
             logits = net(x, use_cache=False).logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
+        if scaler is None:
+            loss.backward()
+            if watch is not None:
+                watch.log(loss=loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
     return step
@@ -91,17 +102,17 @@ def make_step(model, net, x, opt, scaler):
 class Variant:
     """One copy of the model, ampwatch attached once (or not), compiled or eager."""
 
-    def __init__(self, options, folder: str, name: str, backend, fused: bool) -> None:
+    def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool) -> None:
         self.model, x = model_and_batch()
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = None if bf16 else torch.amp.GradScaler("cpu")
         self.watch = None
         if options == "hook floor":
             hook_floor(self.model)
         elif options is not None:
             self.watch = ampwatch.attach(self.model, opt, scaler, path=f"{folder}/{name}.sqlite", **options)
         net = torch.compile(self.model, backend=backend) if backend else self.model
-        self.step = make_step(self.model, net, x, opt, scaler)
+        self.step = make_step(self.model, net, x, opt, scaler, self.watch)
 
     def block(self, n: int) -> tuple[list[float], list[bool]]:
         """n steps: their times, and whether each observed modules (a layer_every step)."""
@@ -120,6 +131,7 @@ def main() -> None:
     ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
     ap.add_argument("--compile", metavar="BACKEND", help="torch.compile every copy with this backend (inductor, aot_eager)")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
     args = ap.parse_args()
     every = next(s.default for s in SETTINGS if s.name == "layer_every")
     torch.set_num_threads(1)
@@ -128,7 +140,8 @@ def main() -> None:
     specs = [("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}), ("localize=False", {"localize": False})]
     if not args.compile:
         specs.insert(1, ("hook floor", "hook floor"))
-    variants = {name: Variant(options, folder, name.replace("=", "_"), args.compile, args.fused) for name, options in specs}
+    variants = {name: Variant(options, folder, name.replace("=", "_"), args.compile, args.fused, args.bf16)
+                for name, options in specs}
     for v in variants.values():
         v.block(3)  # compiles (both graphs: the first steps observe), learns, warms up
         v.block(every - 3)  # blocks start on a layer_every step from here on
@@ -144,7 +157,7 @@ def main() -> None:
     modules = len(list(variants["base"].model.modules()))
     params = len(list(variants["base"].model.parameters()))
     mode = f"torch.compile({args.compile})" if args.compile else "eager"
-    opt = "AdamW(fused=True)" if args.fused else "AdamW"
+    opt = ("AdamW(fused=True)" if args.fused else "AdamW") + (", bf16 without a scaler" if args.bf16 else ", fp16 + GradScaler")
     print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
           f"{mode}, {opt}, torch {torch.__version__}, {args.rounds} rounds x {every} steps (layer_every), 1 thread\n")
     print("| variant | ms/step, whole blocks | added | ratio | ms/step between observed | added | ratio |")

@@ -10,6 +10,7 @@ kernel per ~chunk of tensors). Host reads: ``_local_scalar_dense`` (``.item()``,
     python bench/ops.py                  # reference GPT (4 layers, d_model 256, seq 128, batch 3, vocab 2000) and the MLP
     python bench/ops.py --workload gpt --layer-every 1
     python bench/ops.py --free-reads --by-op   # the CPU path instead (host reads are free there), per op
+    python bench/ops.py --mirror               # also mirroring to a TensorBoard log folder (attach mirror=)
 
 On the CPU path an op costs ~15 us of host time inside a training step (a cold dispatcher, against
 ~6 us in a tight loop), so the count matters there too.
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--layer-every", type=int, default=None, help="default: report 20 (the default) and 1")
     parser.add_argument("--free-reads", action="store_true", help="count the CPU path (host reads are free)")
     parser.add_argument("--by-op", action="store_true", help="also list the added ops by name")
+    parser.add_argument("--mirror", action="store_true", help="also mirror to a TensorBoard log folder")
     args = parser.parse_args()
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -127,12 +129,14 @@ def main() -> None:
     for name in names:
         base_ops, base_reads, modules, base_by_op = count(name, False, 1)
         print(f"{name}: {modules} modules; the step itself: {base_ops:.0f} ops, {base_reads:.0f} host reads")
-        for every, options in [(e, o) for e in settings for o in ({}, {"replay": False})]:
+        mirror = {"mirror": tempfile.mkdtemp()} if args.mirror else {}
+        for every, options in [(e, dict(o, **mirror)) for e in settings for o in ({}, {"replay": False})]:
             # steps 2..4 of the run: with layer_every=20 none is a detail step (step 0 is), so at
             # the defaults no module is observed (a skipped step would be replayed); replay=False
             # observes every module on every step, as every step does at layer_every=1
             ops, reads, _, by_op = count(name, True, every, **options)
-            label = f"layer_every={every}" + (", replay=False" if options else "")
+            label = f"layer_every={every}" + (", replay=False" if "replay" in options else "") + \
+                (", mirror" if "mirror" in options else "")
             print(f"  {label:<30} ampwatch adds {ops - base_ops:.0f} ops/step, "
                   f"{reads - base_reads:.0f} host reads/step")
             if args.by_op:

@@ -8,6 +8,9 @@ median step time per variant and the median over rounds of the paired ratio vari
     python bench/overhead.py --workload gpt --rounds 5 --steps 2      # the reference transformer
     python bench/overhead.py --workload mlp --variants base,ampwatch,duo,anomaly
     python bench/overhead.py --lightning --workload gpt-small --rounds 12 --steps 20   # the Lightning callback
+    python bench/overhead.py --workload mlp --variants base,ampwatch,ampwatch_mirror --flush-every-s 0.05
+        # mirroring to a TensorBoard log folder (attach mirror=); a short flush interval makes the writer
+        # thread commit, and so mirror, during the timed steps and not only at close
 
 Workloads: ``gpt`` = GPT-like, 4 layers, d_model 256, seq 128, batch 16 (the reference transformer);
 ``gpt-small`` = 2 layers, d_model 128, seq 64, batch 8; ``mlp`` = 3-layer MLP (64-128-128-10),
@@ -72,8 +75,10 @@ class Trainer:
         return time.perf_counter() - t0
 
 
-def variants(folder: Path, base: Trainer, duo: Trainer | None) -> dict[str, Callable[[int], list[float]]]:
+def variants(folder: Path, base: Trainer, duo: Trainer | None,
+             flush_every_s: float | None = None) -> dict[str, Callable[[int], list[float]]]:
     counter = iter(range(10 ** 9))
+    flush = {} if flush_every_s is None else {"flush_every_s": flush_every_s}
 
     def plain(trainer: Trainer) -> Callable[[int], list[float]]:
         return lambda k: [trainer.step() for _ in range(k)]
@@ -81,7 +86,8 @@ def variants(folder: Path, base: Trainer, duo: Trainer | None) -> dict[str, Call
     def watched(**options) -> Callable[[int], list[float]]:
         def run(k: int) -> list[float]:
             path = folder / f"run{next(counter)}.sqlite"
-            with ampwatch.attach(base.model, base.opt, base.scaler, path=str(path), **options):
+            extra = {"mirror": str(folder / f"tb_{path.stem}")} if options.get("mirror") == "tensorboard" else {}
+            with ampwatch.attach(base.model, base.opt, base.scaler, path=str(path), **flush, **dict(options, **extra)):
                 return [base.step() for _ in range(k)]
         return run
 
@@ -93,7 +99,8 @@ def variants(folder: Path, base: Trainer, duo: Trainer | None) -> dict[str, Call
             base.anomaly = False
 
     table = {"base": plain(base), "ampwatch": watched(), "ampwatch_layer_every_1": watched(layer_every=1),
-             "ampwatch_no_localize": watched(localize=False), "anomaly": anomaly}
+             "ampwatch_no_localize": watched(localize=False), "anomaly": anomaly,
+             "ampwatch_mirror": watched(mirror="tensorboard")}
     if duo is not None:
         table["duo"] = plain(duo)
     return table
@@ -106,6 +113,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default="base,ampwatch,ampwatch_layer_every_1,ampwatch_no_localize,duo,anomaly")
+    ap.add_argument("--flush-every-s", type=float, default=None,
+                    help="the watched variants' flush_every_s (default: ampwatch's default)")
     ap.add_argument("--lightning", action="store_true",
                     help="measure the Lightning callback instead (runs bench/overhead_lightning.py)")
     args = ap.parse_args()
@@ -134,7 +143,7 @@ def main() -> None:
             duo = Trainer(copy.deepcopy(model), x, loss_fn)
             DebugUnderflowOverflow(duo.model)
     with tempfile.TemporaryDirectory() as tmp:
-        table = variants(Path(tmp), base, duo)
+        table = variants(Path(tmp), base, duo, args.flush_every_s)
         names = [n for n in wanted if n in table]
         for name in names:  # warm-up: allocator, autocast caches, first-step skips
             table[name](args.warmup)

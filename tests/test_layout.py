@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ampwatch"
 
 READ_SIDE = ("ampwatch.store", "ampwatch.jobs", "ampwatch.doctor", "ampwatch.dashboard")
 FACES = ("ampwatch.doctor", "ampwatch.jobs", "ampwatch.cli", "ampwatch.dashboard", "ampwatch.samples",
-         "ampwatch.integrations")
+         "ampwatch.integrations", "ampwatch.trackers")
 
 
 def _module_name(path: Path) -> str:
@@ -105,7 +105,8 @@ def test_no_import_circles():
     assert circles == []
 
 
-@pytest.mark.parametrize("folder", ["record", "store", "jobs", "doctor", "cli", "dashboard", "integrations", "samples"])
+@pytest.mark.parametrize("folder", ["record", "store", "jobs", "doctor", "cli", "dashboard", "integrations", "samples",
+                                    "trackers"])
 def test_each_room_says_what_it_holds(folder):
     init = PACKAGE / folder / "__init__.py"
     assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"{folder}/__init__.py needs a docstring"

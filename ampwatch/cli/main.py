@@ -153,14 +153,35 @@ def ls_(folder: str) -> None:
 @cli.command()
 @click.argument("path")
 @click.option("--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True)
-@click.option("--out", "out", required=True, help="folder to write into (created if missing)")
-def export(path: str, fmt: str, out: str) -> None:
-    """Write a run's steps, layers, modules, events and metrics as CSV or Parquet files.
+@click.option("--to", "to", type=click.Choice(["tensorboard", "mlflow", "wandb"]), default=None,
+              help="write into a tracker instead: AMP series under amp/ at their true steps, findings as text "
+                   "(PATH may be a folder of runs)")
+@click.option("--out", "out", help="folder to write into (created if missing); with --to tensorboard: the log "
+                                   "folder (one subfolder per run); required except for --to mlflow/wandb")
+def export(path: str, fmt: str, to: Optional[str], out: Optional[str]) -> None:
+    """Write a run's steps, layers, modules, events and metrics as CSV or Parquet files, or
+    (--to) into TensorBoard, MLflow or Weights & Biases.
+
+    MLflow uses MLFLOW_TRACKING_URI (and MLFLOW_EXPERIMENT_NAME); W&B its own environment
+    (WANDB_PROJECT, WANDB_MODE=offline, ...).
 
     \b
     Example:
         ampwatch export runs/exp1.sqlite --format csv --out exported/
+        ampwatch export runs/ --to tensorboard --out tb_logs/
+        MLFLOW_TRACKING_URI=http://localhost:5000 ampwatch export runs/exp1.sqlite --to mlflow
     """
+    if to is not None:
+        if click.get_current_context().get_parameter_source("fmt").name == "COMMANDLINE":
+            raise click.UsageError("--format is for files; --to writes into a tracker: pass one of them")
+        from ..trackers.export import export_paths
+        status = 0
+        for ok, line in export_paths(path, to, out, _output_folder):
+            click.echo(line if ok else f"ampwatch: {line}", err=not ok)
+            status = status if ok else 2
+        sys.exit(status)
+    if out is None:
+        raise click.UsageError("Missing option '--out'.")
     run = _load(path)
     target = _output_folder(out)
     if fmt == "parquet":
@@ -302,6 +323,35 @@ def _doctor_folder(path: str, as_json: bool, failing: set) -> None:
     head = "\n".join(heads) + "\n\n" if heads else ""
     click.echo(json.dumps(payload, indent=2) if as_json else head + ("\n\n" + "-" * 100 + "\n").join(texts))
     sys.exit(status)
+
+
+@cli.command()
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--rtol", type=click.FloatRange(min=0), default=None,
+              help="relative tolerance for loss, norms and maxima (default: ten units in the last place of "
+                   "the coarser dtype: 0.0098 for float16, 0.078 for bfloat16, 1e-4 for float32)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def diff(run_a: str, run_b: str, rtol: Optional[float], as_json: bool) -> None:
+    """Where two runs part: the first step, layer and module whose recorded figures differ beyond
+    a tolerance, how far apart, and the settings that differ (dtype, scaler, torch, config).
+
+    Steps are aligned by number; runs of different dtypes or lengths are compared on what they
+    share. Exit status: 0 no figure parts, 1 the runs part, 2 unreadable input or no shared step.
+
+    \b
+    Example:
+        ampwatch diff runs/eager.sqlite runs/compiled.sqlite
+        ampwatch diff sample_runs/healthy_fp16.sqlite sample_runs/bf16_noscaler.sqlite --json
+    """
+    from ..doctor.diff import diff_runs
+    from .diff_report import format_diff
+    result = diff_runs(_load(run_a), _load(run_b), rtol=rtol)
+    if not result.steps_shared:
+        raise RunError(f"{run_a!r} and {run_b!r} share no recorded step: nothing to compare "
+                       "(steps are aligned by number)")
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_diff(result))
+    sys.exit(1 if result.parted else 0)
 
 
 def _json_report(run: Any, findings: list, verdict: str) -> dict:

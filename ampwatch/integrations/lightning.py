@@ -53,6 +53,8 @@ class AmpwatchCallback(pl.Callback):
         self.watch: Any = None
         self._losses: list[torch.Tensor] = []
         self._accumulation = 1
+        self._window: Any = None  # the AMP figures for the trainer's loggers (trackers.window)
+        self._logged_at = -1
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         import ampwatch
@@ -67,8 +69,12 @@ class AmpwatchCallback(pl.Callback):
         self._accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         self._losses = []
         path = run_path(self.path, self._first_path)
-        self.watch = ampwatch.attach(pl_module, trainer.optimizers[0], scaler, path=path,
-                                     **attach_options(self.options, "lightning", training_config(trainer, pl_module)))
+        options = attach_options(self.options, "lightning", training_config(trainer, pl_module))
+        if trainer.loggers and "mirror" not in options:
+            from ..trackers.window import LogWindow
+            self._window = options["mirror"] = LogWindow()
+            self._logged_at = -1
+        self.watch = ampwatch.attach(pl_module, trainer.optimizers[0], scaler, path=path, **options)
         self._first_path = self._first_path or self.watch.path
         note_amp_dtype(self.watch, _AUTOCAST.get(str(trainer.precision)))
 
@@ -89,6 +95,19 @@ class AmpwatchCallback(pl.Callback):
             watch.log(loss=loss)
         self._losses = []
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """On Lightning's own logging cadence (``log_every_n_steps``), the AMP figures of the steps
+        committed since the last time go to every logger of the trainer, at ``global_step``."""
+        window, step = self._window, trainer.global_step
+        # an accumulation window ends several batches at one global_step: log once per step
+        if window is None or step % max(1, trainer.log_every_n_steps) or step == self._logged_at:
+            return
+        self._logged_at = step
+        figures = window.take()
+        if figures:
+            for logger in trainer.loggers:
+                logger.log_metrics(figures, step=trainer.global_step)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close("finished")
 
@@ -99,7 +118,7 @@ class AmpwatchCallback(pl.Callback):
         self._close("finished")  # normally closed already; never leave a run open past fit
 
     def _close(self, status: str, error: Optional[str] = None) -> None:
-        watch, self.watch = self.watch, None
+        watch, self.watch, self._window = self.watch, None, None
         if watch is not None:
             watch.close(status=status, error=error)
 

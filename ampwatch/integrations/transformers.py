@@ -98,6 +98,9 @@ class AmpwatchCallback(transformers.TrainerCallback):
         self._wrapper: Any = None
         self._previous: Any = _MISSING
         self._losses: list[torch.Tensor] = []
+        self._window: Any = None  # the AMP figures for the Trainer's own logs (trackers.window)
+        self._previous_log: Any = _MISSING
+        self._log_wrapper: Any = None
 
     # -- Trainer events -------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -120,11 +123,16 @@ class AmpwatchCallback(transformers.TrainerCallback):
             scaler = getattr(trainer.accelerator, "scaler", None)
         self._losses = []
         path = run_path(self.path, self._first_path)
-        self.watch = ampwatch.attach(model, optimizer, scaler, path=path,
-                                     **attach_options(self.options, "transformers", training_config(args)))
+        options = attach_options(self.options, "transformers", training_config(args))
+        if trainer is not None and "mirror" not in options:
+            from ..trackers.window import LogWindow
+            self._window = options["mirror"] = LogWindow()
+        self.watch = ampwatch.attach(model, optimizer, scaler, path=path, **options)
         self._first_path = self._first_path or self.watch.path
         if trainer is not None:
             self._capture_losses(trainer)
+            if self._window is not None:
+                self._add_to_logs(trainer)
             note_amp_dtype(self.watch, _autocast_dtype(trainer.accelerator))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -168,9 +176,34 @@ class AmpwatchCallback(transformers.TrainerCallback):
         self._wrapper = training_step
         trainer.training_step = training_step
 
+    def _add_to_logs(self, trainer: Any) -> None:
+        """Wrap this Trainer's ``log``: every report_to backend, the console and ``log_history``
+        get the AMP figures of the window (trackers.window), including a NaN loss that the
+        Trainer's ``logging_nan_inf_filter`` replaces in its own ``loss``."""
+        original, window = trainer.log, self._window
+        self._previous_log = trainer.__dict__.get("log", _MISSING)
+
+        @functools.wraps(original)
+        def log_(logs: dict, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(logs, dict) and "loss" in logs:  # training logs, not eval or the final summary
+                logs.update(window.take())
+            return original(logs, *args, **kwargs)
+
+        self._log_wrapper = log_
+        trainer.log = log_
+
     def _release_trainer(self) -> None:
         trainer, self._trainer = self._trainer, None
-        if trainer is None or trainer.__dict__.get("training_step") is not self._wrapper:
+        self._window = None
+        if trainer is None:
+            return
+        if trainer.__dict__.get("log") is self._log_wrapper and self._log_wrapper is not None:
+            if self._previous_log is _MISSING:
+                del trainer.log
+            else:
+                trainer.log = self._previous_log
+        self._log_wrapper = None
+        if trainer.__dict__.get("training_step") is not self._wrapper:
             return  # someone wrapped it after us: leave theirs in place (ours passes through)
         if self._previous is _MISSING:
             del trainer.training_step

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +33,12 @@ def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
 
+def _is_mirror(v: Any) -> bool:
+    """None, a log folder, "mlflow", "wandb", or an object with SummaryWriter's add_scalar."""
+    return v is None or (isinstance(v, (str, os.PathLike)) and os.fspath(v) != "") or \
+        callable(getattr(v, "add_scalar", None))
+
+
 SETTINGS: tuple[Setting, ...] = (
     # 20 keeps a 100k-step run of 200 parameter tensors and 150 modules at ~95 MB (10 would be
     # ~190 MB, over the 150 MB budget; bench/storage.py) and
@@ -53,6 +60,10 @@ SETTINGS: tuple[Setting, ...] = (
             "process rank (default: torch.distributed rank when initialised, else 0)"),
     Setting("overwrite", False, _is_bool, "True or False",
             "replace an existing file at an explicit path (default: refuse, so a run is never silently redirected)"),
+    Setting("mirror", None, _is_mirror,
+            "None, a TensorBoard log folder, 'mlflow', 'wandb' or a SummaryWriter",
+            "also send the AMP series and doctor findings to a tracker, from the writer thread: a TensorBoard "
+            "log folder, 'mlflow' or 'wandb' (their active run) or a SummaryWriter (docs/trackers.md)"),
     Setting("framework", None, lambda v: v is None or isinstance(v, str), "None or a str",
             "set by integrations: which framework recorded the run"),
 )

@@ -17,13 +17,12 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from . import clipping
+from . import clipping, torch_access
 
-from . import torch_access
 from .backward import BackwardEnd
 from .recompute import check_step
 from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
@@ -75,11 +74,12 @@ class Watch:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, scaler: Any = None, *,
                  path: Optional[str] = None, name: Optional[str] = None,
-                 config: Optional[dict] = None, **options: Any) -> None:
+                 config: Optional[dict] = None, open_mirror: Optional[Callable] = None, **options: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ampwatch.attach: model must be a torch.nn.Module, got {type(model).__name__}")
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"ampwatch.attach: config must be a dict, got {type(config).__name__}")
+        self._open_mirror = open_mirror  # how to reach a tracker: given by ampwatch.attach (a face)
         self.options = resolve(options)
         self.model, self.optimizer, self.scaler = model, _unwrap_optimizer(optimizer), scaler
         self.closed = False
@@ -165,7 +165,12 @@ class Watch:
         packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
                            [len(names) + i for i in range(len(module_names))], module_names,
                            self.options["layer_every"], tied)
-        self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"])
+        mirror = None
+        if self.options["mirror"] is not None and self._open_mirror is not None:
+            # the tracker is fed from the writer thread; the faces hand us how to open it
+            mirror = self._open_mirror(self.options["mirror"], packs.param_names, packs.module_ids,
+                                 self.observer.types if self.observer else [], str(self.path))
+        self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"], on_commit=mirror)
         log.info("recording to %s", self.path)
 
     def _install(self) -> None:

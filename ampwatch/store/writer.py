@@ -68,10 +68,16 @@ class RunWriter:
     """Owns the SQLite connection on its own thread. ``failure`` is set if it dies.
 
     ``to_rows`` turns one handed-over step (opaque to the writer) into :class:`Rows`; it runs on
-    this thread, so whatever the conversion waits for (a device transfer) never stalls training."""
+    this thread, so whatever the conversion waits for (a device transfer) never stalls training.
 
-    def __init__(self, path: str, to_rows: Callable[[Any], Rows], flush_every_s: float) -> None:
+    ``on_commit(rows, info, notices)``: called on this thread after each commit with what it
+    committed (the last call's ``info`` holds ``status``); it must not raise (a mirror to a tracker
+    guards itself)."""
+
+    def __init__(self, path: str, to_rows: Callable[[Any], Rows], flush_every_s: float,
+                 on_commit: Optional[Callable[[Rows, dict, list], None]] = None) -> None:
         self.path = path
+        self._on_commit = on_commit
         self.failure: Optional[BaseException] = None
         self._to_rows = to_rows
         self._flush_every_s = flush_every_s
@@ -162,6 +168,8 @@ class RunWriter:
                     notices.append(payload)
             if stop or time.monotonic() - last_flush >= self._flush_every_s or pending.count() > 200_000:
                 self._commit(conn, pending, info, notices)
+                if self._on_commit is not None:
+                    self._on_commit(pending, info, notices)
                 pending, info, notices = Rows(), {}, []
                 last_flush = time.monotonic()
                 if not stop and last_flush - last_checkpoint >= CHECKPOINT_EVERY_S:
