@@ -272,14 +272,14 @@ def test_compiled_training_replays_a_skipped_step_in_eager(tmp_path):
     assert len(b) and a[cols].equals(b[cols])
 
 
-@pytest.mark.parametrize("case", ["host-path", "no-scaler", "option-off"])
+@pytest.mark.parametrize("case", ["host-path", "option-off"])
 def test_steps_that_cannot_be_replayed_are_observed_live(tmp_path, monkeypatch, case):
     """(A fused optimizer is replayed: its skip is read from the scaler's inf flag, test_fused_optimizers.py.)"""
     if case == "host-path":
         monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR")
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = None if case == "no-scaler" else torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler("cpu")
     options = {"replay": False} if case == "option-off" else {}
     with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), **options) as watch:
         assert watch.replayer is None and watch.observer is not None
@@ -323,3 +323,47 @@ def test_a_model_that_cannot_be_replayed_is_observed_live_and_recording_goes_on(
     assert notes["step"].tolist() == [2] and "checkpoint" in notes["message"].iloc[0].lower()
     origins = run.events[run.events.origin & (run.events.phase == "forward")]
     assert origins[["step", "module"]].values.tolist() == [[5, "inner.2"]]  # live from step 3 on
+
+
+def _bf16_run(path, fault_step, watched):
+    """bf16 autocast, no scaler, the loss through watch.log: one module's output is inf at one step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    state = {"step": 0}
+    model[2].register_forward_hook(lambda m, i, o: o * float("inf") if state["step"] == fault_step else o)
+    watch = ampwatch.attach(model, opt, None, path=str(path), layer_every=5) if watched else None
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(12):
+        state["step"] = i
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(torch.randn(8, 16, generator=g)).float(), torch.zeros(8, 4))
+        loss.backward()
+        if watch is not None:
+            watch.log(loss=loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+        if i == fault_step:  # repair the weights the NaN step wrote, so training goes on
+            with torch.no_grad():
+                for prm in model.parameters():
+                    prm.nan_to_num_(0.0)
+    if watch is not None:
+        watch.close()
+    return losses, [prm.detach().clone() for prm in model.parameters()]
+
+
+def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path):
+    """bf16 has no skip to replay: the gradient norms are checked before optimizer.step(), and a bad
+    step is replayed and localized on its own step, while healthy steps observe nothing."""
+    fault = 7
+    plain_losses, plain_params = _bf16_run(tmp_path / "plain.sqlite", fault, watched=False)
+    losses, params = _bf16_run(tmp_path / "run.sqlite", fault, watched=True)
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))  # training unchanged
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    origin = run.events[run.events["origin"]]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
+    assert set(run.modules["step"]) == {0, 5, 10, fault}  # observed: layer_every steps and the bad one
+    assert "replay-not-reproduced" not in set(run.notices["code"])

@@ -24,8 +24,10 @@ replay is a second run of the step, so a step that is not reproducible (a compil
 in eager, nondeterministic kernels) is localized from the replay's values. It needs the skip known
 on the host: a fused optimizer skips inside its kernel, so there the watch reads the scaler's inf
 flag once per step (a sync, the one a non-fused GradScaler loop already pays inside scaler.step());
-not without a scaler (bf16: a bad step updates the weights), nor under DDP/FSDP (a replay would
-start collectives on one rank). There the module hooks observe every step, as before.
+without a scaler (bf16, fp32) nothing skips, so the watch checks the step's gradient norms (and
+the logged loss) before ``optimizer.step()`` changes the weights, one sync per step, and replays a
+bad step then. Not under DDP/FSDP (a replay would start collectives on one rank): there the module
+hooks observe every step, as before.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ MAX_BATCHES = 1024  # root forwards kept per step, at most
 
 def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, reads_free: bool) -> bool:
     """Whether a skipped step of this training can be replayed (see the module docstring)."""
-    if reads_free or scaler is None or not torch_access.scaler_enabled(scaler):
+    if reads_free:
         return False
     wrapped = {"DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"}
     if any(type(m).__name__ in wrapped or type(m).__name__.startswith("FSDP") for m in model.modules()):

@@ -410,7 +410,24 @@ class Watch:
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.state.stepped = True
         self.grads.measure(self._detail_step())
+        if (self.replayer is not None and not self.observer.observing
+                and not (self.scaler is not None and torch_access.scaler_enabled(self.scaler))):
+            self._replay_if_bad()
         self._fp32_check(False)
+
+    def _replay_if_bad(self) -> None:
+        """Without a GradScaler nothing skips a bad step: its update is about to happen. Before it
+        does (the weights are still the ones the step ran with), a non-finite gradient norm or
+        logged loss has the step replayed, observed, as a skipped one would be."""
+        values = [self.grads.norms] if isinstance(self.grads.norms, torch.Tensor) else []
+        values += [v.detach().reshape(-1).float() for v in self.state.logged_losses[-1:]
+                   if isinstance(v, torch.Tensor)]
+        if not values:
+            return
+        # sync point, once per step and only without a scaler: the host must know before the update
+        if not bool(torch.isfinite(torch.cat([v.reshape(-1).to(values[0].device) for v in values])).all()):
+            self.grads.measure_detail(None)
+            self._replay()
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.scaler is None:
