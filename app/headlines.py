@@ -42,3 +42,31 @@ def events_headline(ev: pd.DataFrame, found: list[dict]) -> tuple[str, str]:
                      " happened during the scaler's warm-up: expected (it halves its initial scale until the"
                      " gradients fit), not a fault.")
     return kind, "  \n".join(lines)
+
+
+def _gap_text(g: dict, what: str) -> str:
+    where = f" of **{g['where']}**" if g.get("where") else ""
+    phase = f" ({g['phase']})" if g.get("phase") else ""
+    rel = f", {g['rel']:.2%} apart" if isinstance(g.get("rel"), float) and g["rel"] == g["rel"] \
+        and g["rel"] != float("inf") else ""
+    return f"{what}: {g['figure']}{where}{phase} at step {g['step']} ({g['a']} vs {g['b']}{rel})"
+
+
+def diff_headline(d: dict) -> tuple[str, str]:
+    """(st function name, text) for two compared runs: where they part first (ampwatch diff)."""
+    a, b = d["a"]["name"], d["b"]["name"]
+    tol = f"tolerance {d['rtol']:.2g} ({d['rtol_source']})"
+    if not d["parted"]:
+        return "success", (f"**{a}** and **{b}** do not part: every figure both recorded over "
+                           f"{d['steps_shared']:,} shared steps agrees within {tol}.")
+    lines = [f"**{a}** and **{b}** part at step **{d['parting_step']}** ({tol})."]
+    if d["first_step"]:
+        lines.append(_gap_text(d["first_step"][0], "First step figure"))
+    if d["first_layer"]:
+        lines.append(_gap_text(d["first_layer"], "First layer"))
+    if d["first_module"]:
+        lines.append(_gap_text(d["first_module"], "First module"))
+    if d["settings"]:
+        lines.append("Settings that differ: " + ", ".join(f"{s['field']} ({s['a']} vs {s['b']})"
+                                                         for s in d["settings"][:6]))
+    return "warning", "  \n".join(lines)

@@ -149,3 +149,10 @@ def doctor_findings(path: Path, key: tuple) -> list[dict]:
     if row["steps"] <= AUTO_DOCTOR_STEPS or st.session_state.get(f"doctor:{path.name}"):
         return guarded(findings, str(path), key, path=path) or []
     return []
+
+
+@st.cache_data(show_spinner="Comparing the two runs...", max_entries=32)
+def run_diff(path_a: str, key_a: tuple, path_b: str, key_b: tuple) -> dict:
+    """Where two runs part (:func:`ampwatch.doctor.diff.diff_runs`), as plain data."""
+    from ampwatch.doctor.diff import diff_runs
+    return diff_runs(path_a, path_b).to_dict()

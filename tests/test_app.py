@@ -206,6 +206,19 @@ def test_compare_overlays_the_picked_runs():
     assert legend == [p.rsplit(".", 1)[0] for p in picked]
 
 
+def test_compare_says_where_two_runs_part():
+    """Two runs picked: the page shows ampwatch diff's answer, the same as the library's."""
+    from ampwatch.doctor.diff import diff_runs
+    picked = ["healthy_fp16.sqlite", "diverged.sqlite"]
+    at = _open(SAMPLES, "compare", picked[0], state={"compare": picked, "compare_pick": picked})
+    _no_failure(at)
+    truth = diff_runs(SAMPLES / picked[0], SAMPLES / picked[1])
+    assert truth.parted
+    text = " ".join(w.value for w in at.warning)
+    assert f"part at step **{truth.parting_step}**" in text
+    assert all(field in text for field, _, _ in truth.settings[:6])
+
+
 def _make_run(path: Path, losses: list, status: str = "finished", **info) -> Path:
     row = {"name": path.stem, "status": status, "started_at": time.time(), "heartbeat_at": time.time(),
            "pid": os.getpid(), "hostname": socket.gethostname(), "amp_dtype": "float16", "layer_every": 20,

@@ -1,8 +1,10 @@
-"""Compare: two or more runs overlaid on one step axis (loss, scale, grad norm, skip rate)."""
+"""Compare: two or more runs overlaid on one step axis (loss, scale, grad norm, skip rate); for
+two runs, where they part first (step, layer, module) and which settings differ."""
 import pandas as pd
 import streamlit as st
 
 import formatting
+import headlines
 import loaders
 import state
 from ampwatch.dashboard import figures
@@ -41,6 +43,14 @@ for name in picked:
     rows.append(ov.steps.assign(run=label))
 if not overviews:
     st.stop()
+if len(picked) == 2:
+    paths = [state.safe_run_path(folder, name) for name in picked]
+    if None not in paths:
+        found = loaders.guarded(loaders.run_diff, str(paths[0]), loaders.stamp(paths[0]),
+                                str(paths[1]), loaders.stamp(paths[1]), path=paths[0])
+        if found is not None:
+            kind, text = headlines.diff_headline(found)
+            getattr(st, kind)(text)
 log_loss = st.toggle("log loss axis", value=True, key="compare_log")
 st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), width="stretch",
                 key="compare_chart")
