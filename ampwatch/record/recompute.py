@@ -35,7 +35,7 @@ How it stays out of training's way:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -180,30 +180,15 @@ def recompute_fp32(module: torch.nn.Module, args: Any, kwargs: Any, observer: Op
     FSDP1's flat parameters, whose storage is freed after the forward) exist whole only inside the
     framework's own forward, and a module that will not run on fp32 inputs (a dtype assertion in
     user code) has no fp32 answer. Either way the run is recorded as before, without the verdict."""
-    if any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
+    if not _whole(module):
         return None
     params = {n: p.detach().float() if p.is_floating_point() else p for n, p in module.named_parameters()}
     # Buffers are cloned even when already fp32: BatchNorm updates running stats in place.
     # (.float() of an fp32 tensor is that same tensor: copy=True makes the copy.)
     buffers = {n: b.detach().to(torch.float32, copy=True) if b.is_floating_point() else b.clone()
                for n, b in module.named_buffers()}
-    device = next(iter(params.values()), next(iter(buffers.values()), None))
-    devices = [device.device] if device is not None and device.device.type == "cuda" else []
-    device_type = device.device.type if device is not None else "cpu"
-    was_active = observer.active if observer is not None else None
-    if observer is not None:
-        observer.active = False
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), \
-                torch.autocast(device_type, enabled=False), _swapped(module, {**params, **buffers}):
-            # forward, not __call__: the module's own hooks already ran on the kept inputs (children's run)
-            out = module.forward(*_upcast(args), **_upcast(kwargs))
-        return output_amax(out)
-    except Exception:  # the user's module, run outside its usual dtype: no verdict, not a failure
-        return None
-    finally:
-        if observer is not None:
-            observer.active = was_active
+    return _run_again(module, params, buffers, lambda device_type: (False, None),
+                      lambda: (_upcast(args), _upcast(kwargs)), observer)
 
 
 def autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
@@ -219,21 +204,37 @@ def recompute_as_run(module: torch.nn.Module, args: Any, kwargs: Any,
     autocast state its micro-batch ran with (``autocast``, from :func:`autocast_state`), with no
     grad, the RNG forked, buffers replaced by copies and the observer's hooks paused; return max
     |output|. None where it cannot be done (see :func:`recompute_fp32`) or the state is unknown."""
-    if autocast is None or any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters()):
+    if autocast is None or not _whole(module):
         return None
     params = {n: p.detach() for n, p in module.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}  # BatchNorm updates them in place
+    return _run_again(module, params, buffers, lambda device_type: autocast.get(device_type, (False, None)),
+                      lambda: (_detached(args), _detached(kwargs)), observer)
+
+
+def _whole(module: torch.nn.Module) -> bool:
+    """The module's parameters exist whole here (not sharded across ranks, not freed after a forward)."""
+    return not any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters())
+
+
+def _run_again(module: torch.nn.Module, params: dict, buffers: dict, autocast_for: Callable,
+               inputs: Callable, observer: Optional[ModuleObserver]) -> Optional[float]:
+    """The module's forward (not __call__: its own hooks already ran on the kept inputs) with
+    ``params`` and ``buffers`` swapped in, no grad, the RNG forked, autocast as ``autocast_for(device
+    type)`` says and the observer paused; max |output|, or None (the user's module refusing to run
+    this way: no verdict, not a failure)."""
     device = next(iter(params.values()), next(iter(buffers.values()), None))
     devices = [device.device] if device is not None and device.device.type == "cuda" else []
     device_type = device.device.type if device is not None else "cpu"
-    enabled, dtype = autocast.get(device_type, (False, None))
+    enabled, dtype = autocast_for(device_type)
     was_active = observer.active if observer is not None else None
     if observer is not None:
         observer.active = False
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), \
                 torch.autocast(device_type, dtype=dtype, enabled=enabled), _swapped(module, {**params, **buffers}):
-            out = module.forward(*_detached(args), **_detached(kwargs))
+            args, kwargs = inputs()
+            out = module.forward(*args, **kwargs)
         return output_amax(out)
     except Exception:  # the user's module, run again outside its call: no verdict, not a failure
         return None
