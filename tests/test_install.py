@@ -26,12 +26,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+from helpers.servers import wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -268,17 +269,7 @@ def test_dashboard_from_the_wheel_in_chromium(venvs, tmp_path):
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            server.kill()
-            pytest.fail(f"ampwatch dashboard did not start: {server.stdout.read().decode()[-3000:]}")
+        wait_until_healthy(server, url, 90, "ampwatch dashboard")
         listening = _listening_on(port)
         assert listening and all(_loopback(a) for a in listening), listening
         # ampwatch became Streamlit (exec), serving the app installed with the wheel
