@@ -102,6 +102,7 @@ class Watch:
         self._scale_reads = torch_access.ScaleReads()  # the scale as a float, read again only when it changed
         self._fused = torch_access.steps_inside_kernel(self.optimizer)
         self._fused_inv_scale: Any = None  # a fused step's 1/scale, for the detail of a skipped step
+        self._fused_found: Optional[torch.Tensor] = None  # this step's summed inf flags, once read
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
         self.step = 0
@@ -333,7 +334,7 @@ class Watch:
                                    "scaler.step() was called again before scaler.update()")
             self.end_step(None, None)
         self.state.scaler_stepped = True
-        self._fused_inv_scale = None
+        self._fused_inv_scale = self._fused_found = None
         if (self._fused and torch_access.scaler_enabled(self.scaler)
                 and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer)):
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
@@ -347,7 +348,7 @@ class Watch:
         if self._fused and self.replayer is not None and not self.observer.observing:
             # sync point, once per step: a fused optimizer skips inside its kernel, so only the
             # scaler's inf flag tells the host (a non-fused GradScaler loop pays this read in step())
-            flag = torch_access.found_inf(self.scaler, self.optimizer)
+            flag = self._fused_found = torch_access.found_inf(self.scaler, self.optimizer)
             if flag is not None and bool(flag.item()):
                 self.grads.measure_detail(None, inv_scale=self._fused_inv_scale)
                 self._replay()
@@ -401,7 +402,11 @@ class Watch:
             return None, None
         # the scale this step's grads carried (copied: update() changes it in place), and with fused
         # optimizers the inf flags: device tensors, no sync
-        found = torch_access.found_inf(self.scaler, self.optimizer) if self._fused else None
+        found = None
+        if self._fused:  # summed once a step: after_scaler_step may have summed it already
+            found = self._fused_found if self._fused_found is not None else \
+                torch_access.found_inf(self.scaler, self.optimizer)
+            self._fused_found = None
         if self._reads_free:  # read now: a float needs no copy to survive update()
             return self._scale_reads.value(self.scaler), found
         return torch_access.scale_snapshot(self.scaler, self._pack_dtype), found
