@@ -17,6 +17,16 @@ which ``clip_grad_norm_`` looks up at call time, so a loop that did
 ``torch.nn.utils.clip_grad_norm_`` / ``clip_grads_with_norm_`` names for older torch and direct
 calls. A clip that bypasses all of these (FSDP1's ``model.clip_grad_norm_``, a hand-written clip)
 is not seen; the dashboard then falls back to the run's config keys.
+
+The clip's own per-gradient norms are handed over too. ``clip_grad_norm_`` computes the norm of
+every gradient (``torch._foreach_norm``) to get the total; the recorder needs exactly those norms
+every step, so a loop that clips pays for them once instead of twice. While torch's
+``_get_total_norm`` runs on the calling thread, ``torch._foreach_norm`` and ``torch.stack`` are
+swapped for shims that keep what they return; the total the clip uses is torch's own, computed by
+torch's own code (training is unchanged). Each listener's ``on_clip_norms(tensors, norms, vector)``
+then gets the tensors, their norms and, when torch stacked exactly those norms, the stacked vector
+(one op fewer for the recorder). The swap is skipped (the call goes through untouched) while another thread holds
+it, while Dynamo traces, and for a norm other than L2.
 """
 from __future__ import annotations
 
@@ -41,6 +51,13 @@ _lock = threading.Lock()
 # wrappers hold them anyway.
 _listeners: tuple = ()
 _installed: dict[tuple[str, str], tuple[Any, Any]] = {}  # target -> (original, our wrapper)
+
+# torch's total-norm helpers (torch >= 2.6): the clip's per-gradient norms are captured inside them
+_NORM_TARGETS = (
+    ("torch.nn.utils.clip_grad", "_get_total_norm"),
+    ("torch.nn.utils", "get_total_norm"),
+)
+_swap = threading.Lock()  # one capture at a time: the swap of torch._foreach_norm is process-wide
 
 
 def _module(name: str) -> Any:
@@ -71,21 +88,72 @@ def _wrap(original: Callable) -> Callable:
     return clip
 
 
+def _wrap_total_norm(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def total_norm(tensors: Any, norm_type: Any = 2.0, *args: Any, **kwargs: Any) -> Any:
+        if not _listeners or not _is_l2(norm_type) or torch.compiler.is_compiling():
+            return original(tensors, norm_type, *args, **kwargs)
+        real_norm, real_stack = getattr(torch, "_foreach_norm", None), torch.stack
+        if real_norm is None or not _swap.acquire(blocking=False):
+            return original(tensors, norm_type, *args, **kwargs)
+        seen: list[tuple[Any, Any]] = []
+        stacked: list[tuple[Any, Any]] = []
+        thread = threading.get_ident()
+
+        def foreach_norm(group: Any, *a: Any, **kw: Any) -> Any:
+            out = real_norm(group, *a, **kw)
+            if threading.get_ident() == thread:
+                seen.append((group, out))
+            return out
+
+        def stack(items: Any, *a: Any, **kw: Any) -> Any:
+            out = real_stack(items, *a, **kw)
+            if threading.get_ident() == thread:
+                stacked.append((items, out))
+            return out
+
+        torch._foreach_norm, torch.stack = foreach_norm, stack
+        try:
+            result = original(tensors, norm_type, *args, **kwargs)
+        finally:
+            torch._foreach_norm, torch.stack = real_norm, real_stack
+            _swap.release()
+        if seen:
+            grads = [t for group, _ in seen for t in group]
+            norms = [n for _, out in seen for n in out]
+            # torch stacks the norms to sum them: that vector, when it holds exactly these norms
+            vector = next((out for items, out in stacked
+                           if len(items) == len(norms) and items[0] is norms[0] and items[-1] is norms[-1]), None)
+            for listener in _listeners:
+                listener.on_clip_norms(grads, norms, vector)  # Watch.on_clip_norms never raises
+        return result
+    return total_norm
+
+
+def _is_l2(norm_type: Any) -> bool:
+    try:
+        return float(norm_type) == 2.0
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 def listen(listener: Any) -> None:
-    """Start telling ``listener.on_clip(parameters, max_norm)`` about every clip; wraps on first use."""
+    """Start telling ``listener.on_clip(parameters, max_norm)`` about every clip, and
+    ``listener.on_clip_norms(tensors, norms, vector)`` the per-gradient norms it computed; wraps on first use."""
     global _listeners
     with _lock:
         if listener not in _listeners:
             _listeners = _listeners + (listener,)
         if _installed:
             return
-        for target in _TARGETS:
-            module = _module(target[0])
-            original = getattr(module, target[1], None) if module is not None else None
-            if callable(original):
-                wrapper = _wrap(original)
-                _installed[target] = (original, wrapper)
-                setattr(module, target[1], wrapper)
+        for targets, wrap in ((_TARGETS, _wrap), (_NORM_TARGETS, _wrap_total_norm)):
+            for target in targets:
+                module = _module(target[0])
+                original = getattr(module, target[1], None) if module is not None else None
+                if callable(original):
+                    wrapper = wrap(original)
+                    _installed[target] = (original, wrapper)
+                    setattr(module, target[1], wrapper)
 
 
 def stop(listener: Any) -> None:

@@ -61,6 +61,17 @@ class GradMeter:
         if detail_step or self._bad:
             self.measure_detail(known_finite, inv_scale, counts=bool(known_finite))
 
+    def take(self, ids: list[int], norms: torch.Tensor, detail_step: bool,
+             inv_scale: Optional[torch.Tensor] = None) -> None:
+        """Norms another call computed already (the user's ``clip_grad_norm_``, before it clipped):
+        a float32 device vector, one per parameter in ``ids``, instead of a foreach norm of every
+        gradient; detail on detail steps as :meth:`measure` would. No sync."""
+        stacked = norms
+        self.norms, self.norm_ids = (stacked * inv_scale if inv_scale is not None else stacked), ids
+        self.at_backward = True  # taken before the clip changed anything
+        if detail_step:
+            self.measure_detail(None, inv_scale, counts=False)
+
     def known_bad(self) -> bool:
         """Where reads are free: a measured gradient norm is non-finite (the gradient holds NaN/inf,
         or its float32 norm overflowed). False where the norms stay on the device (unknown)."""

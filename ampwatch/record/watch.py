@@ -89,6 +89,11 @@ class Watch:
         self._copy_safe: list[Any] = []  # modules whose copies leave our hooks out (copies.py)
         self._amp_seen = False             # autocast dtype recorded (looked for during step 0 only)
         self._max_norm: Optional[float] = None  # clip_grad_norm_'s max_norm, as last seen (clipwatch)
+        # the user's clip_grad_norm_ measured every gradient's norm last step: take its norms this
+        # step instead of measuring at backward end (clipping.py); once they do not fit, never again
+        self._clip_norms_expected = False
+        self._clip_norms_taken = False
+        self._clip_norms_refused = False
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
         self._trigger: Optional[BackwardEnd] = None
         self._probes: list[Any] = []         # the autocast probes' handles (step 0 only, in eager)
@@ -99,6 +104,10 @@ class Watch:
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._pack_dtype = torch_access.pack_dtype(self._device)
         self._reads_free = torch_access.reads_are_free(self._device)  # fixed for the run: asked once
+        # a gradient has its parameter's dtype, device and tensor type: which parameters' norms fit
+        self._clip_norms_fit = frozenset(i for i, p in enumerate(self._params)
+                                         if type(p) in (torch.nn.Parameter, torch.Tensor)
+                                         and p.dtype is torch.float32 and p.device == self._device)
         self._scale_reads = torch_access.ScaleReads()  # the scale as a float, read again only when it changed
         self._fused = torch_access.steps_inside_kernel(self.optimizer)
         self._fused_inv_scale: Any = None  # a fused step's 1/scale, for the detail of a skipped step
@@ -280,6 +289,40 @@ class Watch:
         self._max_norm = max_norm
         self.writer.put_info(clip_max_norm=max_norm)
 
+    def on_clip_norms(self, tensors: list, norms: list, vector: Optional[torch.Tensor]) -> None:
+        """The per-gradient norms a clip computed (clipping.py; ``vector``: the same stacked, or
+        None): this step's norms, if they are exactly ours (every gradient of ours, float32 plain
+        tensors on our device). No sync."""
+        self.call_guarded(self._on_clip_norms, tensors, norms, vector)
+
+    def _on_clip_norms(self, tensors: list, norms: list, vector: Optional[torch.Tensor]) -> None:
+        if self._reads_free or self._clip_norms_refused or not tensors:
+            return  # where reads are free the norms are read at backward end, to decide on detail
+        where = {}
+        for i, p in enumerate(self._params):  # each .grad read makes a Python object: once
+            g = p.grad
+            if g is not None:
+                where[id(g)] = i
+        ids = [where.get(id(t)) for t in tensors]
+        if all(i is None for i in ids):
+            return  # another model's gradients, or not gradients at all
+        if None in ids or len(ids) != len(where) or not self._clip_norms_fit.issuperset(ids):
+            # a clip over part of the gradients, in another dtype, or sharded: measure them ourselves
+            self._clip_norms_refused = True
+            self._clip_norms_expected = False
+            return
+        self._clip_norms_taken = True
+        if self.grads.norms is not None:
+            return  # measured at backward end (the first clipped step, or after a mismatch)
+        inv_scale = None
+        if (self.scaler is not None and torch_access.scaler_enabled(self.scaler)
+                and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer)):
+            # clipped before unscale_: the norms still carry the scale
+            inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
+            if inv_scale is None:
+                return
+        self.grads.take(ids, vector if vector is not None else torch.stack(norms), self._detail_step(), inv_scale)
+
     # -- backward ---------------------------------------------------------------------------------
     def _on_backward(self) -> None:  # BackwardEnd: a backward pass reached the model (once per pass)
         self.state.backwards += 1
@@ -287,6 +330,9 @@ class Watch:
     def _on_backward_end(self) -> None:
         """Measure gradients as backward leaves them: before any user clipping, with or without a
         scaler (dividing by the scale they carry). With accumulation the last micro-batch wins."""
+        if self._clip_norms_expected:
+            self.grads.reset()  # the user's clip measures them before the step: taken from it
+            return
         scaling = self.scaler is not None and torch_access.scaler_enabled(self.scaler)
         if scaling and torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer):
             return  # backward after unscale_ (unusual): leave it to the step-time measurement
@@ -326,6 +372,8 @@ class Watch:
                                        f"gradients shrank {shrank[0] / shrank[1]:.3g}x between backward and "
                                        f"scaler.step without scaler.unscale_ at step {self.step}: clipped while "
                                        f"still scaled?")
+        if not inside_step and self._clip_norms_expected:
+            return  # the user's unscale_ before their clip: the clip measures the norms next
         self.grads.measure(self._detail_step())
 
     def before_scaler_step(self) -> None:
@@ -452,6 +500,8 @@ class Watch:
         self.step += 1
         if self.fp8 is not None and self._detail_step():
             self.fp8.arm()
+        self._clip_norms_expected = self._clip_norms_taken and not self._clip_norms_refused
+        self._clip_norms_taken = False
         if self.replayer is not None:  # module values measured live on layer_every steps only
             self.replayer.clear()
             self.observer.set_observing(self._detail_step())

@@ -1,0 +1,131 @@
+"""A loop that clips pays for gradient norms once: the recorder takes the per-gradient norms that
+``clip_grad_norm_`` computed (before it clipped) instead of measuring its own. The recorded norms
+must be the pre-clip, unscaled norms whatever the loop does, and training must not change."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ampwatch
+from helpers.loops import data, mlp
+
+
+def _loop(path, how: str, steps: int = 4, attach: bool = True, accum: int = 1):
+    """Trains an MLP under fp16 autocast; returns (run or None, per step the pre-clip unscaled norm
+    of every parameter's gradient as the loop computed it itself, final parameters)."""
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    truth = []
+    watch = ampwatch.attach(model, opt, scaler, path=str(path), layer_every=1) if attach else None
+    for i in range(steps):
+        for k in range(accum):
+            x, y = data(10 * i + k)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y) / accum
+            scaler.scale(loss).backward()
+        if how != "before-unscale":
+            scaler.unscale_(opt)
+        inv = 1.0 if how != "before-unscale" else 1.0 / float(scaler.get_scale())
+        truth.append([float(p.grad.double().norm()) * inv for p in params])
+        if how == "part":  # only the first layer: the rest must still be measured, unclipped
+            torch.nn.utils.clip_grad_norm_(params[:2], 0.01)
+        elif how == "none":
+            pass
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # clips every step
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    if watch is not None:
+        watch.close()
+        return ampwatch.load(watch.path), truth, [p.detach().clone() for p in params]
+    return None, truth, [p.detach().clone() for p in params]
+
+
+def _recorded(run) -> list[list[float]]:
+    layers = run.layers
+    names = list(run.tensors[run.tensors["kind"] == "param"]["name"])
+    return [[float(layers[(layers.step == s) & (layers.name == n)].grad_norm.iloc[0]) for n in names]
+            for s in sorted(set(layers.step))]
+
+
+@pytest.mark.parametrize("how", ["after-unscale", "before-unscale", "part", "none"])
+def test_recorded_norms_are_the_pre_clip_unscaled_norms(tmp_path, record_path, how):
+    run, truth, _ = _loop(tmp_path / "r.sqlite", how)
+    recorded = _recorded(run)
+    assert len(recorded) == len(truth) == 4
+    for step, (got, want) in enumerate(zip(recorded, truth)):
+        assert got == pytest.approx(want, rel=1e-5), f"step {step}"
+        # and the global norm is theirs too
+        total = float(run.steps.grad_norm.iloc[step])
+        assert total == pytest.approx(math.sqrt(sum(v * v for v in want)), rel=1e-5)
+    assert min(min(t) for t in truth) > 0.01  # every step really was clipped (max_norm 0.01)
+
+
+def test_norms_with_accumulation_are_the_whole_steps(tmp_path, record_path):
+    run, truth, _ = _loop(tmp_path / "r.sqlite", "after-unscale", accum=3)
+    assert _recorded(run) == [pytest.approx(t, rel=1e-5) for t in truth]
+
+
+def test_taking_the_clips_norms_changes_no_number_training_produces(tmp_path, record_path):
+    _, _, watched = _loop(tmp_path / "r.sqlite", "after-unscale")
+    _, _, plain = _loop(tmp_path / "p.sqlite", "after-unscale", attach=False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
+
+
+def test_torch_is_left_as_it_was(tmp_path):
+    before = (torch._foreach_norm, torch.stack, torch.nn.utils.clip_grad._get_total_norm)
+    _loop(tmp_path / "r.sqlite", "after-unscale", steps=2)
+    assert (torch._foreach_norm, torch.stack, torch.nn.utils.clip_grad._get_total_norm) == before
+
+
+def test_a_clip_that_raises_leaves_torch_as_it_was(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with ampwatch.attach(model, opt, path=str(tmp_path / "r.sqlite")):
+        x, y = data(0)
+        model(x).sum().mul(float("inf")).backward()
+        with pytest.raises(RuntimeError, match="non-finite"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        assert torch._foreach_norm is torch._C._VariableFunctions._foreach_norm
+        assert torch.stack is torch._C._VariableFunctions.stack
+
+
+def test_a_clipping_loop_measures_no_norm_of_its_own_between_layer_every_steps(tmp_path, monkeypatch):
+    """On the accelerator path a healthy step between layer_every steps runs one foreach norm over
+    the gradients, the clip's own; the same loop without ampwatch runs the same one."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+
+    def norms_per_step(attach: bool) -> list[int]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu")
+        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{attach}.sqlite"),
+                                layer_every=100) if attach else None
+        counts = []
+        for i in range(4):
+            x, y = data(i)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            counts.append(sum(e.count for e in prof.key_averages() if e.key == "aten::_foreach_norm"))
+        if watch is not None:
+            watch.close()
+        return counts
+
+    plain, watched = norms_per_step(False), norms_per_step(True)
+    assert plain == [1, 1, 1, 1]
+    # step 0 (a layer_every step) measures at backward end and learns that the loop clips; from
+    # step 1 on the clip's norms are the recorder's
+    assert watched[0] > 1
+    assert watched[1:] == plain[1:]
