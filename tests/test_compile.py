@@ -249,3 +249,36 @@ def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path):
         calls = [n for n in gm.graph.nodes if n.target is torch.ops.ampwatch.observe.default]
         unsafe = [n for n in gm.graph.nodes if n.op == "call_function" and is_cudagraph_unsafe_fx_node(n)]
         assert calls and unsafe == calls
+
+
+def test_an_unwatched_instance_of_the_same_class_shares_no_graph_with_the_watched_one(tmp_path):
+    """Dynamo caches graphs per code object, so instances of one class share them unless a guard
+    tells them apart. An unwatched twin compiled first must not hand the watched model its graph
+    (nothing inside would be observed), and the watched model's graph must not run for the twin
+    (the twin's values would land in the watched run)."""
+    torch._dynamo.reset()
+    twin = torch.compile(Net(), backend="aot_eager")
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        twin(x).float().sum().backward()  # the twin's graph is compiled first
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "w.sqlite"), layer_every=1) as watch:
+        net = torch.compile(model, backend="aot_eager")
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = net(x).float().pow(2).mean()
+                if step == 1:  # between the watched steps the twin runs, on a batch 1e4 times larger
+                    twin(x * 1e4).float().sum().backward()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    modules = ampwatch.load(watch.path).modules
+    fc1 = modules[(modules.module == "fc1") & (modules.phase == "forward")]
+    assert sorted(fc1.step) == [0, 1]  # observed on both steps, inside the compiled graph
+    # what the watched model's fc1 saw is its own batch (x), not the twin's (x * 1e4)
+    with torch.no_grad():
+        ref = max(x.abs().max().item(), Net().fc1(x).abs().max().item())  # same seed, same weights
+    assert fc1.amax.max() < 10 * ref

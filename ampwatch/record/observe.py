@@ -289,12 +289,15 @@ class ModuleObserver:
         self.on_error: Any = None  # called with an internal failure (the watch warns once, stops)
         self._grad_hooks: dict[int, Any] = {}  # value slot -> the hook observing its gradient
         self._new_step()
+        # id(module) -> its index: the hooks find their module's index here (see _hooks)
+        self._index_of: dict[int, int] = {id(m): i for i, m in enumerate(modules)}
+        self._before_hook, self._after_hook = _hooks(self._id)
         for index, module in enumerate(modules):
-            after = partial(_after, self._id, index)
+            after: Any = self._after_hook
             if index == 0:
                 # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would
                 # compile each as a graph of its own: keep them eager (they see no traced tensors)
-                after = torch._dynamo.disable(after)
+                after = torch._dynamo.disable(partial(_after, self._id, 0))
             self._hook(index, False, after)
             if index == 0 or getattr(module, "inplace", False) is True:
                 self._add_pre_hook(index)
@@ -310,9 +313,9 @@ class ModuleObserver:
         self._handles.append(register(fn, with_kwargs=True))
 
     def _add_pre_hook(self, index: int) -> None:
-        before = partial(_before, self._id, index)
+        before: Any = self._before_hook
         if index == 0:
-            before = torch._dynamo.disable(before)
+            before = torch._dynamo.disable(partial(_before, self._id, 0))
         self._hook(index, True, before)
         self._pre.add(index)
 
@@ -723,24 +726,46 @@ def never_a_frame_of_its_own(*functions: Any) -> None:
 
 
 def _before(key: int, index: int, module: Any, args: Any, kwargs: Any) -> None:
-    """A module's pre-hook: :meth:`ModuleObserver._before` of the observer registered as ``key``.
-
-    Why the hooks hold a key rather than the observer: Dynamo reaches whatever a traced hook holds
-    through that module's own hook dict, so one observer held by 164 hooks is one object under
-    164 names, and Dynamo guards that they stay one object with a Python check per name on
-    every call of the compiled model (0.85 ms a step on GPT-2 small's tree, bench/hostcost.py
-    --compile). Looked up in the module's registry, it has one name and no such guard."""
+    """The root's pre-hook (kept eager): :meth:`ModuleObserver._before` of observer ``key``."""
     observer = _OBSERVERS.get(key)
     if observer is not None:
         observer._before(index, module, args, kwargs)
 
 
 def _after(key: int, index: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-    """A module's forward hook: :meth:`ModuleObserver._after` of the observer registered as ``key``
-    (see :func:`_before` for why a key)."""
+    """The root's forward hook (kept eager): :meth:`ModuleObserver._after` of observer ``key``."""
     observer = _OBSERVERS.get(key)
     if observer is not None:
         observer._after(index, module, args, kwargs, output)
 
 
-never_a_frame_of_its_own(ModuleObserver._before, ModuleObserver._after, ModuleObserver._on_grad, _before, _after)
+def _hooks(key: int) -> tuple[Any, Any]:
+    """One pre-hook and one forward hook for every module of observer ``key``: plain functions that
+    look the observer up in the registry and the module's index up by ``id(module)``.
+
+    Why not a ``partial`` holding the observer and the index, one per module: under torch.compile
+    Dynamo guards every hook of every module on every call of the compiled model. A partial is
+    a tree of guards (its function, its arguments, each argument), and one observer held by 164
+    partials is one object under 164 names, which Dynamo checks stay one object with a Python
+    check per name: together ~1.2 ms a step on GPT-2 small's tree (bench/hostcost.py --compile).
+    One function shared by all modules is one identity check per module; the observer, looked up
+    in the registry, has one name; ``id(module)`` is one identity guard on the module, which also
+    keeps a graph traced for this model from being reused for another instance of its class."""
+    def before(module: Any, args: Any, kwargs: Any) -> None:
+        observer = _OBSERVERS.get(key)
+        if observer is not None:
+            index = observer._index_of.get(id(module))
+            if index is not None:
+                observer._before(index, module, args, kwargs)
+
+    def after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        observer = _OBSERVERS.get(key)
+        if observer is not None:
+            index = observer._index_of.get(id(module))
+            if index is not None:
+                observer._after(index, module, args, kwargs, output)
+    return before, after
+
+
+never_a_frame_of_its_own(ModuleObserver._before, ModuleObserver._after, ModuleObserver._on_grad, _before, _after,
+                         *_hooks(-1))  # every observer's hooks share these two code objects

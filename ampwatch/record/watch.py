@@ -69,6 +69,27 @@ def _guard_module_hooks() -> None:
         config.skip_nnmodule_hook_guards = False
 
 
+def _forget_graphs_without_hooks(model: torch.nn.Module) -> bool:
+    """Drop graphs Dynamo compiled for this model's classes before the hooks existed; True if any.
+
+    Dynamo caches a graph per code object (``forward`` of the model's class), so a graph traced
+    before attach, for this model or for another instance of its class, has no module hook in it
+    and, compiled without hook guards (torch's default), would go on running for the watched model
+    with nothing inside it observed. Graphs compiled from now on guard on hooks
+    (:func:`_guard_module_hooks`) and on each hooked module's identity (observe._hooks), so a reset
+    is needed once, and only when such a graph exists. It resets every compiled function of the
+    process (each recompiles once on its next call)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return False
+    codes = {getattr(type(m).forward, "__code__", None) for m in model.modules()}
+    if any(_debug_get_cache_entry_list(code) for code in codes if code is not None):
+        torch._dynamo.reset()
+        return True
+    return False
+
+
 class Watch:
     """A recording in progress. Use :func:`ampwatch.attach` to make one; close it (or use ``with``)."""
 
@@ -186,6 +207,9 @@ class Watch:
     def _install(self) -> None:
         opt, model = self.optimizer, _uncompiled(self.model)
         _guard_module_hooks()
+        if self.observer is not None and _forget_graphs_without_hooks(model):
+            log.info("the model (or another instance of its class) was compiled before ampwatch attached: "
+                     "torch.compile's caches were reset, so its next call is traced with ampwatch's hooks")
         self._copy_safe = copies.leave_out_of_copies(model.modules())
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
