@@ -24,6 +24,7 @@ import torch
 from . import clipping, torch_access
 
 from .backward import BackwardEnd
+from .compiled import forget_graphs_without_hooks, guard_module_hooks, uncompiled
 from .recompute import check_step
 from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
 from .options import resolve
@@ -51,43 +52,6 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"ampwatch.attach: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return optimizer
-
-
-def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile(model)`` returns an OptimizedModule: hook the module it compiles, so the hooks
-    are traced into its graph (on its next call Dynamo recompiles once with them)."""
-    return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
-
-
-def _guard_module_hooks() -> None:
-    """Make Dynamo guard on module hooks from now on. By default it does not
-    (``skip_nnmodule_hook_guards``): code compiled for another instance of the same class, say an
-    unwatched copy of the model, would then be reused for this one with none of ampwatch's hooks in
-    it, and nothing inside the model would be observed. The guards cost a few dict checks per call."""
-    config = getattr(getattr(torch, "_dynamo", None), "config", None)
-    if config is not None and hasattr(config, "skip_nnmodule_hook_guards"):
-        config.skip_nnmodule_hook_guards = False
-
-
-def _forget_graphs_without_hooks(model: torch.nn.Module) -> bool:
-    """Drop graphs Dynamo compiled for this model's classes before the hooks existed; True if any.
-
-    Dynamo caches a graph per code object (``forward`` of the model's class), so a graph traced
-    before attach, for this model or for another instance of its class, has no module hook in it
-    and, compiled without hook guards (torch's default), would go on running for the watched model
-    with nothing inside it observed. Graphs compiled from now on guard on hooks
-    (:func:`_guard_module_hooks`) and on each hooked module's identity (observe._hooks), so a reset
-    is needed once, and only when such a graph exists. It resets every compiled function of the
-    process (each recompiles once on its next call)."""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return False
-    codes = {getattr(type(m).forward, "__code__", None) for m in model.modules()}
-    if any(_debug_get_cache_entry_list(code) for code in codes if code is not None):
-        torch._dynamo.reset()
-        return True
-    return False
 
 
 class Watch:
@@ -142,7 +106,7 @@ class Watch:
         self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
         info["loss_definition"] = "scaled-sum" if scaler is not None else "logged-mean"
-        fp8_layers = fp8.find_layers(_uncompiled(model))
+        fp8_layers = fp8.find_layers(uncompiled(model))
         if fp8_layers:  # an fp8 run: amp_dtype says float8, not the autocast dtype of its other ops
             info.update(fp8.describe(fp8_layers))
             self._amp_seen = True
@@ -175,16 +139,16 @@ class Watch:
         from .packing import PackReader
         module_names: list[str] = []
         if self.options["localize"]:
-            self.observer = ModuleObserver(_uncompiled(self.model), self._device)
+            self.observer = ModuleObserver(uncompiled(self.model), self._device)
             self.observer.on_error = self._fail
             module_names = self.observer.names
             if self.options["fp32_check"]:
                 from .recompute import InputKeeper
                 self.observer.keeper = InputKeeper(self.observer)
-            if self.options["replay"] and replay.possible(_uncompiled(self.model), self._params, self.scaler,
+            if self.options["replay"] and replay.possible(uncompiled(self.model), self._params, self.scaler,
                                                           self._reads_free):
-                self.replayer = replay.Replayer(_uncompiled(self.model), self._device)
-        shared = module_aliases(_uncompiled(self.model)) if module_names else {}
+                self.replayer = replay.Replayer(uncompiled(self.model), self._device)
+        shared = module_aliases(uncompiled(self.model)) if module_names else {}
         tensors = list(names) + [
             {"id": len(names) + i, "kind": "module", "name": n, "type": t,
              "aliases": json.dumps(shared[n]) if n in shared else None}
@@ -192,7 +156,7 @@ class Watch:
         ]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         create_run_file(str(self.path), info, tensors)
-        tied = tied_owners(_uncompiled(self.model), self._params, module_names) if module_names else {}
+        tied = tied_owners(uncompiled(self.model), self._params, module_names) if module_names else {}
         packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
                            [len(names) + i for i in range(len(module_names))], module_names,
                            self.options["layer_every"], tied)
@@ -205,9 +169,9 @@ class Watch:
         log.info("recording to %s", self.path)
 
     def _install(self) -> None:
-        opt, model = self.optimizer, _uncompiled(self.model)
-        _guard_module_hooks()
-        if self.observer is not None and _forget_graphs_without_hooks(model):
+        opt, model = self.optimizer, uncompiled(self.model)
+        guard_module_hooks()
+        if self.observer is not None and forget_graphs_without_hooks(model):
             log.info("the model (or another instance of its class) was compiled before ampwatch attached: "
                      "torch.compile's caches were reset, so its next call is traced with ampwatch's hooks")
         self._copy_safe = copies.leave_out_of_copies(model.modules())
@@ -228,7 +192,7 @@ class Watch:
     def _watch_fp8(self, layers: list) -> None:
         if not layers:
             return
-        if _uncompiled(self.model) is not self.model:  # hooks added per step would recompile the model
+        if uncompiled(self.model) is not self.model:  # hooks added per step would recompile the model
             self.writer.put_notice(0, "fp8-not-measured", "the model is compiled: its fp8 casts are not "
                                    "measured (attach to the model before torch.compile to measure them)")
             return
