@@ -129,3 +129,28 @@ def test_a_clipping_loop_measures_no_norm_of_its_own_between_layer_every_steps(t
     # step 1 on the clip's norms are the recorder's
     assert watched[0] > 1
     assert watched[1:] == plain[1:]
+
+
+def test_a_clip_inside_a_compiled_function_breaks_no_graph(tmp_path, record_path):
+    """Under torch.compile the wrappers step aside (a listener's call would break the graph):
+    the norms are then measured by the recorder itself, and are still the pre-clip ones."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=1e-2)
+    clip = torch.compile(lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.01), backend="aot_eager")
+    truth = []
+    with ampwatch.attach(model, opt, path=str(tmp_path / "r.sqlite"), layer_every=1) as watch:
+        for i in range(3):
+            x, y = data(i)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            watch.log(loss=loss)
+            truth.append([float(p.grad.double().norm()) for p in params])
+            clip(params)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert dict(counters["graph_break"]) == {}
+    assert _recorded(ampwatch.load(watch.path)) == [pytest.approx(t, rel=1e-5) for t in truth]
