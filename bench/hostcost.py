@@ -23,6 +23,7 @@ is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
     python bench/hostcost.py --compile inductor --rounds 6   # compiled copies (no model graph breaks)
     python bench/hostcost.py --fused           # AdamW(fused=True): a skip is read from the inf flag
     python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
+    python bench/hostcost.py --no-clip         # a loop that does not clip: the recorder's own norms
 """
 from __future__ import annotations
 
@@ -73,8 +74,10 @@ def hook_floor(model: torch.nn.Module) -> None:
         m.register_forward_hook(hook, with_kwargs=True)
 
 
-def make_step(model, net, x, opt, scaler, watch):
-    """fp16 with a GradScaler; or, without a scaler, bf16 with the loss given to ``watch.log``."""
+def make_step(model, net, x, opt, scaler, watch, clip: bool = True):
+    """fp16 with a GradScaler; or, without a scaler, bf16 with the loss given to ``watch.log``.
+    ``clip``: ``clip_grad_norm_`` every step, as nanoGPT, the HF Trainer and torchtitan do (the
+    recorder then takes the clip's gradient norms instead of measuring its own)."""
     dtype = torch.float16 if scaler is not None else torch.bfloat16
 
     def step() -> float:
@@ -86,12 +89,14 @@ def make_step(model, net, x, opt, scaler, watch):
             loss.backward()
             if watch is not None:
                 watch.log(loss=loss)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
         else:
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -102,7 +107,7 @@ def make_step(model, net, x, opt, scaler, watch):
 class Variant:
     """One copy of the model, ampwatch attached once (or not), compiled or eager."""
 
-    def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool) -> None:
+    def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool, clip: bool = True) -> None:
         self.model, x = model_and_batch()
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         scaler = None if bf16 else torch.amp.GradScaler("cpu")
@@ -112,7 +117,7 @@ class Variant:
         elif options is not None:
             self.watch = ampwatch.attach(self.model, opt, scaler, path=f"{folder}/{name}.sqlite", **options)
         net = torch.compile(self.model, backend=backend) if backend else self.model
-        self.step = make_step(self.model, net, x, opt, scaler, self.watch)
+        self.step = make_step(self.model, net, x, opt, scaler, self.watch, clip)
 
     def block(self, n: int) -> tuple[list[float], list[bool]]:
         """n steps: their times, and whether each observed modules (a layer_every step)."""
@@ -132,6 +137,8 @@ def main() -> None:
     ap.add_argument("--compile", metavar="BACKEND", help="torch.compile every copy with this backend (inductor, aot_eager)")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
+    ap.add_argument("--no-clip", action="store_true", help="a loop without clip_grad_norm_ (the recorder measures "
+                    "the gradient norms itself)")
     args = ap.parse_args()
     every = next(s.default for s in SETTINGS if s.name == "layer_every")
     torch.set_num_threads(1)
@@ -140,7 +147,8 @@ def main() -> None:
     specs = [("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}), ("localize=False", {"localize": False})]
     if not args.compile:
         specs.insert(1, ("hook floor", "hook floor"))
-    variants = {name: Variant(options, folder, name.replace("=", "_"), args.compile, args.fused, args.bf16)
+    variants = {name: Variant(options, folder, name.replace("=", "_"), args.compile, args.fused, args.bf16,
+                              not args.no_clip)
                 for name, options in specs}
     for v in variants.values():
         v.block(3)  # compiles (both graphs: the first steps observe), learns, warms up
@@ -157,7 +165,8 @@ def main() -> None:
     modules = len(list(variants["base"].model.modules()))
     params = len(list(variants["base"].model.parameters()))
     mode = f"torch.compile({args.compile})" if args.compile else "eager"
-    opt = ("AdamW(fused=True)" if args.fused else "AdamW") + (", bf16 without a scaler" if args.bf16 else ", fp16 + GradScaler")
+    opt = ("AdamW(fused=True)" if args.fused else "AdamW") + (", bf16 without a scaler" if args.bf16 else ", fp16 + GradScaler") \
+        + (", no clip" if args.no_clip else ", clip_grad_norm_")
     print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
           f"{mode}, {opt}, torch {torch.__version__}, {args.rounds} rounds x {every} steps (layer_every), 1 thread\n")
     print("| variant | ms/step, whole blocks | added | ratio | ms/step between observed | added | ratio |")
