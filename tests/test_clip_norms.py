@@ -12,13 +12,13 @@ import ampwatch
 from helpers.loops import data, mlp
 
 
-def _loop(path, how: str, steps: int = 4, attach: bool = True, accum: int = 1):
+def _loop(path, how: str, steps: int = 4, attach: bool = True, accum: int = 1, growth_interval: int = 2000):
     """Trains an MLP under fp16 autocast; returns (run or None, per step the pre-clip unscaled norm
     of every parameter's gradient as the loop computed it itself, final parameters)."""
     model = mlp()
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=growth_interval)
     truth = []
     watch = ampwatch.attach(model, opt, scaler, path=str(path), layer_every=1) if attach else None
     for i in range(steps):
@@ -64,6 +64,15 @@ def test_recorded_norms_are_the_pre_clip_unscaled_norms(tmp_path, record_path, h
         total = float(run.steps.grad_norm.iloc[step])
         assert total == pytest.approx(math.sqrt(sum(v * v for v in want)), rel=1e-5)
     assert min(min(t) for t in truth) > 0.01  # every step really was clipped (max_norm 0.01)
+
+
+@pytest.mark.parametrize("how", ["none", "before-unscale"])
+def test_norms_are_unscaled_by_the_scale_of_their_own_step_while_it_grows(tmp_path, record_path, how):
+    """growth_interval=1: the scale doubles after every step, so a 1/scale kept from an earlier
+    step would be off by a power of two."""
+    run, truth, _ = _loop(tmp_path / "r.sqlite", how, steps=5, growth_interval=1)
+    assert list(run.steps.loss_scale) == [2.0 ** (10 + i) for i in range(5)]
+    assert _recorded(run) == [pytest.approx(t, rel=1e-5) for t in truth]
 
 
 def test_norms_with_accumulation_are_the_whole_steps(tmp_path, record_path):

@@ -71,7 +71,7 @@ def scale_snapshot(scaler: Any, dtype: torch.dtype) -> Optional[torch.Tensor]:
 
 class ScaleReads:
     """Where reads are free: the scaler's scale as a float, read again only when the scale tensor
-    changed. Its version counter moves with every in-place change (``update()``, ``fill_``), and a
+    changed (on a device, its inverse, made again only then). Its version counter moves with every in-place change (``update()``, ``fill_``), and a
     read costs ~15 us inside a CPU training step; a step reads the scale twice or more (each
     backward's end, and before ``update()``)."""
 
@@ -79,6 +79,8 @@ class ScaleReads:
         self._tensor: Optional[torch.Tensor] = None
         self._version = -1
         self._value: Optional[float] = None
+        self._inverse: Optional[torch.Tensor] = None  # on a device: 1/scale, made for _inverse_of
+        self._inverse_of: tuple = (None, -1)
 
     def value(self, scaler: Any) -> Optional[float]:
         scale = getattr(scaler, "_scale", None)
@@ -88,19 +90,31 @@ class ScaleReads:
             self._tensor, self._version, self._value = scale, scale._version, float(scale.item())
         return self._value
 
+    def inverse(self, scale: torch.Tensor) -> torch.Tensor:
+        """1/scale as a float32 device tensor, made again only when the scale tensor changed (its
+        version counter, host metadata: no sync). The scale changes at ``update()`` when it grows
+        or backs off, rarely; the three ops are saved on every other backward pass."""
+        if self._inverse is None or self._inverse_of[0] is not scale or self._inverse_of[1] != scale._version:
+            self._inverse = scale.detach().reshape(()).double().reciprocal().float()
+            self._inverse_of = (scale, scale._version)
+        return self._inverse
+
 
 def inverse_scale(scaler: Any, reads_free: Optional[bool] = None,
                   reads: Optional[ScaleReads] = None) -> Optional[Union[torch.Tensor, float]]:
     """1/scale, for unscaling norms measured on scaled gradients: where reads are free a Python
     float (no op), else a float32 device tensor computed in float64 (a scale need not be a power of
     two). Either rounds 1/scale to float32 when multiplied into float32 norms. No sync.
-    ``reads``: a :class:`ScaleReads` that spares reading an unchanged scale again."""
+    ``reads``: a :class:`ScaleReads` that spares reading an unchanged scale again (or, on a device,
+    computing its inverse again)."""
     scale = getattr(scaler, "_scale", None)
     if not isinstance(scale, torch.Tensor):
         return None
     if reads_are_free(scale.device) if reads_free is None else reads_free:
         value = reads.value(scaler) if reads is not None else scale.item()
         return 1.0 / value if value else math.inf
+    if reads is not None:
+        return reads.inverse(scale)
     return scale.detach().reshape(()).double().reciprocal().float()
 
 
