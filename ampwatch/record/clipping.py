@@ -25,8 +25,8 @@ every step, so a loop that clips pays for them once instead of twice. While torc
 swapped for shims that keep what they return; the total the clip uses is torch's own, computed by
 torch's own code (training is unchanged). Each listener's ``on_clip_norms(tensors, norms, vector)``
 then gets the tensors, their norms and, when torch stacked exactly those norms, the stacked vector
-(one op fewer for the recorder). The swap is skipped (the call goes through untouched) while another thread holds
-it, while Dynamo traces, and for a norm other than L2.
+(one op fewer for the recorder). The swap is skipped (the call goes through untouched) while
+another thread holds it, while Dynamo traces, and for a norm other than L2.
 """
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ def _is_l2(norm_type: Any) -> bool:
 
 def listen(listener: Any) -> None:
     """Start telling ``listener.on_clip(parameters, max_norm)`` about every clip, and
-    ``listener.on_clip_norms(tensors, norms, vector)`` the per-gradient norms it computed; wraps on first use."""
+    ``listener.on_clip_norms(tensors, norms, vector)`` the per-gradient norms it computed; wraps on
+    first use."""
     global _listeners
     with _lock:
         if listener not in _listeners:

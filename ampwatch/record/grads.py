@@ -66,8 +66,7 @@ class GradMeter:
         """Norms another call computed already (the user's ``clip_grad_norm_``, before it clipped):
         a float32 device vector, one per parameter in ``ids``, instead of a foreach norm of every
         gradient; detail on detail steps as :meth:`measure` would. No sync."""
-        stacked = norms
-        self.norms, self.norm_ids = (stacked * inv_scale if inv_scale is not None else stacked), ids
+        self.norms, self.norm_ids = (norms * inv_scale if inv_scale is not None else norms), ids
         self.at_backward = True  # taken before the clip changed anything
         if detail_step:
             self.measure_detail(None, inv_scale, counts=False)

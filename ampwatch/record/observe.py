@@ -297,7 +297,7 @@ class ModuleObserver:
             if index == 0:
                 # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would
                 # compile each as a graph of its own: keep them eager (they see no traced tensors)
-                after = torch._dynamo.disable(partial(_after, self._id, 0))
+                after = torch._dynamo.disable(after)
             self._hook(index, False, after)
             if index == 0 or getattr(module, "inplace", False) is True:
                 self._add_pre_hook(index)
@@ -315,7 +315,7 @@ class ModuleObserver:
     def _add_pre_hook(self, index: int) -> None:
         before: Any = self._before_hook
         if index == 0:
-            before = torch._dynamo.disable(partial(_before, self._id, 0))
+            before = torch._dynamo.disable(before)
         self._hook(index, True, before)
         self._pre.add(index)
 
@@ -725,20 +725,6 @@ def never_a_frame_of_its_own(*functions: Any) -> None:
             skip_code(fn.__code__)
 
 
-def _before(key: int, index: int, module: Any, args: Any, kwargs: Any) -> None:
-    """The root's pre-hook (kept eager): :meth:`ModuleObserver._before` of observer ``key``."""
-    observer = _OBSERVERS.get(key)
-    if observer is not None:
-        observer._before(index, module, args, kwargs)
-
-
-def _after(key: int, index: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-    """The root's forward hook (kept eager): :meth:`ModuleObserver._after` of observer ``key``."""
-    observer = _OBSERVERS.get(key)
-    if observer is not None:
-        observer._after(index, module, args, kwargs, output)
-
-
 def _hooks(key: int) -> tuple[Any, Any]:
     """One pre-hook and one forward hook for every module of observer ``key``: plain functions that
     look the observer up in the registry and the module's index up by ``id(module)``.
@@ -767,5 +753,5 @@ def _hooks(key: int) -> tuple[Any, Any]:
     return before, after
 
 
-never_a_frame_of_its_own(ModuleObserver._before, ModuleObserver._after, ModuleObserver._on_grad, _before, _after,
+never_a_frame_of_its_own(ModuleObserver._before, ModuleObserver._after, ModuleObserver._on_grad,
                          *_hooks(-1))  # every observer's hooks share these two code objects

@@ -71,9 +71,9 @@ def scale_snapshot(scaler: Any, dtype: torch.dtype) -> Optional[torch.Tensor]:
 
 class ScaleReads:
     """Where reads are free: the scaler's scale as a float, read again only when the scale tensor
-    changed (on a device, its inverse, made again only then). Its version counter moves with every in-place change (``update()``, ``fill_``), and a
-    read costs ~15 us inside a CPU training step; a step reads the scale twice or more (each
-    backward's end, and before ``update()``)."""
+    changed (on a device, its inverse, made again only then). Its version counter moves with every
+    in-place change (``update()``, ``fill_``), and a read costs ~15 us inside a CPU training step;
+    a step reads the scale twice or more (each backward's end, and before ``update()``)."""
 
     def __init__(self) -> None:
         self._tensor: Optional[torch.Tensor] = None
