@@ -24,14 +24,14 @@ import torch
 from . import clipping, torch_access
 
 from .backward import BackwardEnd
-from .compiled import forget_graphs_without_hooks, guard_module_hooks, uncompiled
+from .compiled import forget_graphs_without_hooks, uncompiled, watch_compiles
 from .recompute import check_step
 from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
 from . import copies, fp8, replay
-from .observe import ModuleObserver, never_a_frame_of_its_own
+from .observe import ModuleObserver, never_a_frame_of_its_own, observer_registry
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
 
@@ -170,7 +170,8 @@ class Watch:
 
     def _install(self) -> None:
         opt, model = self.optimizer, uncompiled(self.model)
-        guard_module_hooks()
+        if self.observer is not None:
+            watch_compiles(observer_registry())  # hooks that a compiled graph may lack: hear of every compile
         if self.observer is not None and forget_graphs_without_hooks(model):
             log.info("the model (or another instance of its class) was compiled before ampwatch attached: "
                      "torch.compile's caches were reset, so its next call is traced with ampwatch's hooks")
