@@ -339,10 +339,13 @@ def test_a_twin_compiled_while_recording_does_not_hand_the_watched_model_its_gra
     assert _observed_steps(watch.path) == [0, 1, 2, 3]
 
 
-def test_a_model_compiled_first_on_a_step_between_observed_ones_is_observed_on_the_next(tmp_path, monkeypatch):
+@pytest.mark.parametrize("what", ["model", "a function calling it"])
+def test_a_model_compiled_first_on_a_step_between_observed_ones_is_observed_on_the_next(tmp_path, monkeypatch,
+                                                                                     what):
     """Between ``layer_every`` steps an eager model runs without ampwatch's module hooks; compiled
-    for the first time there, its graph has none. Without hook guards Dynamo would reuse that graph
-    on the observed step: the compile is noticed, and the observed step recompiles with the hooks."""
+    for the first time there (itself, or inside a compiled function), its graph has none. Without
+    hook guards Dynamo would reuse that graph on the observed step: the compile is noticed, and the
+    observed step recompiles with the hooks."""
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: hooks off between
     torch._dynamo.reset()
     x = torch.randn(8, 16)
@@ -351,7 +354,10 @@ def test_a_model_compiled_first_on_a_step_between_observed_ones_is_observed_on_t
     scaler = torch.amp.GradScaler("cpu")
     with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "w.sqlite"), layer_every=4) as watch:
         _train(model, (opt, scaler), x, 2)  # eager; step 0 observed
-        net = torch.compile(model, backend="aot_eager")
+        if what == "model":
+            net = torch.compile(model, backend="aot_eager")
+        else:
+            net = torch.compile(lambda batch: model(batch) * 1.0, backend="aot_eager")
         _train(net, (opt, scaler), x, 7)  # compiled on step 2, between observed steps
     assert _observed_steps(watch.path) == [0, 4, 8]
 

@@ -107,15 +107,22 @@ def _on_compile_end(*args: Any) -> None:
     global _pending
     if _guarded or _pending is not None:
         return
+    trigger = getattr(args[0], "callback_trigger", None) if args else None  # torch < 2.5 passes nothing
+    if trigger is not None and getattr(trigger, "name", "DYNAMO") != "DYNAMO":
+        return  # a lazy backward or an autotune: no forward graph was made
     try:
         observers = [o for o in list(_observers.values()) if o.active]
         if not observers:
             return
-        if any(not o._hooked for o in observers):
-            _pending = "a function was compiled while a watched model's hooks were off"
-            return
         module = _module_being_compiled()
-        if module is None or any(id(module) in o._index_of for o in observers):
+        if module is None:  # a compiled function: it may call a watched model inline
+            if any(not o._hooked for o in observers):
+                _pending = "a function was compiled while a watched model's hooks were off"
+            return
+        owner = next((o for o in observers if id(module) in o._index_of), None)
+        if owner is not None:
+            if not owner._hooked:
+                _pending = "the watched model was compiled on a step its hooks were off"
             return
         # Dynamo keeps graphs per code object: one compiled from the same forward code (the same
         # class, a subclass, or a decorator's wrapper shared by many classes) may be picked for ours
