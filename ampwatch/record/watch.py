@@ -12,6 +12,7 @@ import json
 import math
 import numbers
 import logging
+import operator
 import sys
 import time
 import traceback
@@ -36,6 +37,7 @@ from .scaler import ScalerHooks
 from .step import StepState, pack_step
 
 log = logging.getLogger("ampwatch")
+_GRAD = operator.attrgetter("grad")
 if not log.handlers:  # say once where the run goes, even when the user configured no logging
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("ampwatch: %(message)s"))
@@ -90,6 +92,8 @@ class Watch:
         self._pack_dtype = torch_access.pack_dtype(self._device)
         self._reads_free = torch_access.reads_are_free(self._device)  # fixed for the run: asked once
         # a gradient has its parameter's dtype, device and tensor type: which parameters' norms fit
+        self._clip_order: Optional[list] = None  # see _clip_gradient_ids
+        self._clip_ids: list = []
         self._clip_norms_fit = frozenset(i for i, p in enumerate(self._params)
                                          if type(p) in (torch.nn.Parameter, torch.Tensor)
                                          and p.dtype is torch.float32 and p.device == self._device)
@@ -287,19 +291,13 @@ class Watch:
     def _on_clip_norms(self, tensors: list, norms: list, vector: Optional[torch.Tensor]) -> None:
         if self._reads_free or self._clip_norms_refused or not tensors:
             return  # where reads are free the norms are read at backward end, to decide on detail
-        where = {}
-        for i, p in enumerate(self._params):  # each .grad read makes a Python object: once
-            g = p.grad
-            if g is not None:
-                where[id(g)] = i
-        ids = [where.get(id(t)) for t in tensors]
-        if all(i is None for i in ids):
-            return  # another model's gradients, or not gradients at all
-        if None in ids or len(ids) != len(where) or not self._clip_norms_fit.issuperset(ids):
-            # a clip over part of the gradients, in another dtype, or sharded: measure them ourselves
-            self._clip_norms_refused = True
-            self._clip_norms_expected = False
-            return
+        order = self._clip_order  # the last clip's parameters, in its order, when it covered all of ours
+        if order is not None and len(order) == len(tensors) and all(map(operator.is_, tensors, map(_GRAD, order))):
+            ids = self._clip_ids  # the same gradients as last step, found in ~20 us instead of ~80
+        else:
+            ids = self._clip_gradient_ids(tensors)
+            if ids is None:
+                return
         self._clip_norms_taken = True
         if self.grads.norms is not None:
             return  # measured at backward end (the first clipped step, or after a mismatch)
@@ -311,6 +309,29 @@ class Watch:
             if inv_scale is None:
                 return
         self.grads.take(ids, vector if vector is not None else torch.stack(norms), self._detail_step(), inv_scale)
+
+    def _clip_gradient_ids(self, tensors: list) -> Optional[list]:
+        """Our parameter index of each clipped gradient, or None (refusing for good where the clip
+        covers part of our gradients, or ones in another dtype, or sharded)."""
+        where = {}
+        for i, p in enumerate(self._params):  # each .grad read makes a Python object: once
+            g = p.grad
+            if g is not None:
+                where[id(g)] = i
+        ids = [where.get(id(t)) for t in tensors]
+        if all(i is None for i in ids):
+            return None  # another model's gradients, or not gradients at all
+        if None in ids or len(ids) != len(where) or not self._clip_norms_fit.issuperset(ids):
+            # a clip over part of the gradients, in another dtype, or sharded: measure them ourselves
+            self._clip_norms_refused = True
+            self._clip_norms_expected = False
+            return None
+        # every parameter of ours, each with a gradient: next step the same parameters in the same
+        # order are checked by identity alone (a parameter without a gradient would break the match)
+        full = len(ids) == len(self._params)
+        self._clip_order = [self._params[i] for i in ids] if full else None
+        self._clip_ids = ids
+        return ids
 
     # -- backward ---------------------------------------------------------------------------------
     def _on_backward(self) -> None:  # BackwardEnd: a backward pass reached the model (once per pass)
