@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 PATH_ARG = "cpu" if "--path" in sys.argv and sys.argv[sys.argv.index("--path") + 1] == "cpu" else "accelerator"
@@ -57,18 +56,6 @@ def model_and_batch(seq: int = 16):
     model.train()
     x = torch.randint(0, config.vocab_size, (1, seq))
     return model, x
-
-
-def own_forward_code(model: torch.nn.Module) -> None:
-    """Give ``model`` a subclass whose ``forward`` is a copy of its class's, with a code object of its
-    own, as if it trained alone in its own process. Dynamo keeps compiled graphs per code object, so
-    the interleaved copies of one class would otherwise be one another's twins, and ampwatch turns
-    on hook guards (a cost on every call of a compiled model) as soon as an unwatched module built
-    from a watched module's forward code is compiled (ampwatch/record/compiled.py)."""
-    cls, f = type(model), type(model).forward
-    fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    fresh.__dict__.update(f.__dict__)
-    model.__class__ = type(cls.__name__, (cls,), {"forward": fresh, "__module__": cls.__module__})
 
 
 def hook_floor(model: torch.nn.Module) -> None:
@@ -122,7 +109,6 @@ class Variant:
 
     def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool, clip: bool = True) -> None:
         self.model, x = model_and_batch()
-        own_forward_code(self.model)
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         scaler = None if bf16 else torch.amp.GradScaler("cpu")
         self.watch = None

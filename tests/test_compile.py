@@ -13,18 +13,7 @@ from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 import ampwatch
-from ampwatch.record import compiled
 from helpers.loops import Amplify
-
-
-@pytest.fixture(autouse=True)
-def fresh_hook_guards():
-    """Hook guards, once turned on, stay on for the process: each test starts from torch's default."""
-    compiled._guarded, compiled._pending = False, None
-    torch._dynamo.config.skip_nnmodule_hook_guards = True
-    yield
-    compiled._guarded, compiled._pending = False, None
-    torch._dynamo.config.skip_nnmodule_hook_guards = True
 
 
 class BackwardBomb(nn.Module):
@@ -328,14 +317,12 @@ def test_a_twin_compiled_while_recording_does_not_hand_the_watched_model_its_gra
     with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "w.sqlite"), layer_every=1) as watch:
         net = torch.compile(model, backend="aot_eager")
         _train(net, (opt, scaler), x, 2)
-        assert torch._dynamo.config.skip_nnmodule_hook_guards  # no twin yet: torch's cheaper default
         if user_reset:
             torch._dynamo.reset()
         twin = torch.compile(Net(), backend="aot_eager")  # compiled after the watched model, first in Dynamo's cache
         with torch.autocast("cpu", dtype=torch.float16):
             twin(x * 1e4).float().sum().backward()
         _train(net, (opt, scaler), x, 2)
-        assert not torch._dynamo.config.skip_nnmodule_hook_guards  # the twin turned hook guards on
     assert _observed_steps(watch.path) == [0, 1, 2, 3]
 
 
@@ -360,21 +347,3 @@ def test_a_model_compiled_first_on_a_step_between_observed_ones_is_observed_on_t
             net = torch.compile(lambda batch: model(batch) * 1.0, backend="aot_eager")
         _train(net, (opt, scaler), x, 7)  # compiled on step 2, between observed steps
     assert _observed_steps(watch.path) == [0, 4, 8]
-
-
-def test_a_compiled_model_alone_keeps_torchs_cheaper_guards(tmp_path, monkeypatch):
-    """The common case, one watched model compiled before or after attach: no hook guards (they
-    cost every call of the compiled model ~0.25 ms on GPT-2 small's tree), every observed step
-    observed, and no recompile beyond the observed step's own graph."""
-    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: two graphs
-    torch._dynamo.reset()
-    x = torch.randn(8, 16)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu")
-    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "w.sqlite"), layer_every=3) as watch:
-        _train(torch.compile(model, backend="aot_eager"), (opt, scaler), x, 7)
-        assert torch._dynamo.config.skip_nnmodule_hook_guards
-    assert _observed_steps(watch.path) == [0, 3, 6]
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    assert len(_debug_get_cache_entry_list(Net.forward.__code__)) == 2  # observed steps' graph, the one between

@@ -50,7 +50,6 @@ import torch
 
 from . import torch_access
 from .batched import BatchedReducer
-from .compiled import before_watched_call
 from .copies import ours
 from .hoststats import HostQueue, HostStats
 from .slots import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
@@ -60,11 +59,6 @@ DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
 
 
 _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the op
-
-
-def observer_registry() -> dict[int, "ModuleObserver"]:
-    """Every live observer, by id: the op finds its observer here, compiled.py their hooks."""
-    return _OBSERVERS
 
 
 _LIBRARY = torch.library.Library("ampwatch", "DEF")
@@ -321,7 +315,7 @@ class ModuleObserver:
     def _add_pre_hook(self, index: int) -> None:
         before: Any = self._before_hook
         if index == 0:
-            before = torch._dynamo.disable(_root_before(before))
+            before = torch._dynamo.disable(before)
         self._hook(index, True, before)
         self._pre.add(index)
 
@@ -757,15 +751,6 @@ def _hooks(key: int) -> tuple[Any, Any]:
             if index is not None:
                 observer._after(index, module, args, kwargs, output)
     return before, after
-
-
-def _root_before(before: Any) -> Any:
-    """The root's pre-hook: it runs outside any compiled graph, before Dynamo picks one for the
-    model, so it is where a graph that may lack the hooks is dropped first (compiled.py)."""
-    def root_before(module: Any, args: Any, kwargs: Any) -> None:
-        before_watched_call()
-        before(module, args, kwargs)
-    return root_before
 
 
 never_a_frame_of_its_own(ModuleObserver._before, ModuleObserver._after, ModuleObserver._on_grad,

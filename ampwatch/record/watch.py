@@ -25,19 +25,18 @@ import torch
 from . import clipping, torch_access
 
 from .backward import BackwardEnd
-from .compiled import forget_graphs_without_hooks, uncompiled, watch_compiles
+from .compiled import forget_graphs_without_hooks, guard_module_hooks, uncompiled
 from .recompute import check_step
 from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
 from . import copies, fp8, replay
-from .observe import ModuleObserver, never_a_frame_of_its_own, observer_registry
+from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .step import StepState, pack_step
 
 log = logging.getLogger("ampwatch")
-_GRAD = operator.attrgetter("grad")
 if not log.handlers:  # say once where the run goes, even when the user configured no logging
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("ampwatch: %(message)s"))
@@ -54,6 +53,9 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"ampwatch.attach: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return optimizer
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 class Watch:
@@ -174,8 +176,7 @@ class Watch:
 
     def _install(self) -> None:
         opt, model = self.optimizer, uncompiled(self.model)
-        if self.observer is not None:
-            watch_compiles(observer_registry())  # hooks that a compiled graph may lack: hear of every compile
+        guard_module_hooks()
         if self.observer is not None and forget_graphs_without_hooks(model):
             log.info("the model (or another instance of its class) was compiled before ampwatch attached: "
                      "torch.compile's caches were reset, so its next call is traced with ampwatch's hooks")
