@@ -48,6 +48,8 @@ class BatchedReducer:
         self._bytes = 0
         self._values: list[list[torch.Tensor]] = [[] for _ in range(dtypes)]  # 0-d maxima
         self._slots: list[list[int]] = [[] for _ in range(dtypes)]
+        # the same, appended by compiled graphs (observe.ModuleObserver._observe_traced)
+        self.traced_values, self.traced_slots = self._values, self._slots
         # (dtype, slots of the step) -> (distinct slots, gather index) on the device, reused every step
         self._plans: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
 

@@ -531,7 +531,16 @@ class ModuleObserver:
     def _observe_traced(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
         """Under torch.compile: one op call for a module call's tensors (into ``slots``), and a
         tensor hook for each one's gradient."""
-        if tensors:
+        if tensors and self._host is None:
+            # on an accelerator the reduction is traced into the graph (the compiler fuses it into
+            # the kernel that makes the tensor) and its 0-d result leaves the graph as an output
+            # that Dynamo appends to the step's maxima: no op call, nothing held past its life
+            values, taken = self._batch.traced_values, self._batch.traced_slots
+            for t, slot in zip(tensors, slots):
+                values[DTYPE_INDEX[t.dtype]].append(t.detach().abs().amax())
+                taken[DTYPE_INDEX[t.dtype]].append(slot)
+            self.traced = True
+        elif tensors:
             torch.ops.ampwatch.observe([t.detach() for t in tensors], self._id, slots)
         if torch.is_grad_enabled():
             for t, slot in zip(tensors, slots):
