@@ -680,6 +680,10 @@ class ModuleObserver:
         if not grad and torch.is_inference_mode_enabled():  # inference mode disables grad
             return
         try:
+            if index == 0 and self.traced:
+                # maxima a compiled graph handed out are its outputs (under CUDA graphs, memory the
+                # next replay overwrites): folded into the stats now, before another graph runs
+                self._settle()
             outputs = tensor_list(output)
             self._calls += 1
             learning = self._learning
