@@ -216,11 +216,16 @@ def test_failure_inside_the_compiled_op_stops_recording_not_training(tmp_path, m
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
 
 
-def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path):
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, monkeypatch, path):
     """CUDA graphs (mode 'reduce-overhead'/'max-autotune') replay captured kernels without running
     Python: ``ampwatch::observe`` would record once, at capture. Inductor's own check for ops it
-    must keep out of a CUDA graph flags every call of the op in the graphs AOTAutograd hands it,
-    forward and backward (the gradient hooks), and nothing else in them."""
+    must keep out of a CUDA graph flags every call of the op in the graphs AOTAutograd hands it
+    (the gradient hooks in the backward; in the forward too where reads are free), and nothing else
+    in them. On the accelerator path the forward holds no op at all: its maxima are plain graph
+    ops whose results leave as outputs, so a CUDA graph takes the forward whole."""
+    if path == "accelerator":
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.utils import is_cudagraph_unsafe_fx_node
@@ -245,10 +250,17 @@ def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path):
     scaler.update()
     watch.close()
     assert len(graphs) == 2  # forward, backward
-    for gm in graphs:
+    for gm, phase in zip(graphs, ["forward", "backward"]):
         calls = [n for n in gm.graph.nodes if n.target is torch.ops.ampwatch.observe.default]
         unsafe = [n for n in gm.graph.nodes if n.op == "call_function" and is_cudagraph_unsafe_fx_node(n)]
-        assert calls and unsafe == calls
+        assert unsafe == calls
+        assert bool(calls) == (phase == "backward" or path == "cpu")
+    if path == "accelerator":  # the forward's maxima are graph outputs: one per observed tensor
+        outputs = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0]
+        amax = [o for o in outputs if getattr(o, "target", None) is torch.ops.aten.amax.default]
+        assert len(amax) >= 5  # fc1, act, fc2, head outputs and the model's input at least
+    rows = ampwatch.load(watch.path).modules
+    assert {"fc1", "act", "fc2", "head"} <= set(rows[rows.phase == "forward"].module)
 
 
 def test_an_unwatched_instance_of_the_same_class_shares_no_graph_with_the_watched_one(tmp_path):

@@ -17,11 +17,16 @@ gradient hooks: the host reads the other module's slot instead. Inputs are obser
 hook, after the module ran, so a module costs one Python hook call per forward: only the root
 (micro-batches) and modules that work in place (their input must be measured before they change
 it) also get a pre-hook. Under ``torch.compile`` the hooks skip the
-Python bookkeeping and call the op ``ampwatch::observe`` (registered as a side effect, so the
-compilers keep it; its body reduces the tensor at run time with one launch), so Dynamo traces them
-into the graph with no graph break; gradients are observed with
-``Tensor.register_hook``, which Dynamo also traces (eager fills the same hook dict without the
-public method's Python costs, :func:`add_grad_hook`: the same gradient, at a fifth of the host cost).
+Python bookkeeping and Dynamo traces them into the graph with no graph break. On an accelerator a
+forward hook traces ``x.abs().amax()`` for each tensor (inductor fuses it into the kernel that makes
+``x``) and appends the 0-d result to the step's maxima, a list mutation Dynamo replays after the
+graph, so the maxima leave the graph as outputs: no op call, no Python per module call (the root's
+forward hook, outside the graph, folds them before another graph runs). Gradients are observed with
+``Tensor.register_hook``, which Dynamo also traces, into the backward graph, where a hook cannot hand
+a value out that way: there, and for every hook where reads are free, the hook calls the op
+``ampwatch::observe`` (registered as a side effect, so the compilers keep it; its body reduces the
+tensor at run time with one launch). Eager fills the same gradient hook dict without the public
+method's Python costs (:func:`add_grad_hook`: the same gradient, at a fifth of the host cost).
 
 Where reads are free (CPU) the stats live on the host instead (:mod:`.hoststats`): a hook queues
 its tensor; at the flush one ``aminmax`` per tensor is read into an array of doubles, which the
@@ -324,7 +329,8 @@ class ModuleObserver:
         every module the way it calls an unhooked one (a hook that returns at once still costs its
         call: 1.05x on GPT-2 small's tree, bench/hostcost.py). Once the hooks ran inside a compiled
         graph (``traced``) they stay, as removing them would make Dynamo recompile each time (it
-        guards on the hook dicts): ``ampwatch::observe`` then returns at once instead."""
+        guards on the hook dicts): Dynamo then runs the graph it traced with ``observing`` off,
+        which holds nothing of ampwatch's."""
         self.observing = on
         if self.traced or not self.active or on == self._hooked:
             return
@@ -529,19 +535,24 @@ class ModuleObserver:
 
     # -- observation -------------------------------------------------------------------------------
     def _observe_traced(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
-        """Under torch.compile: one op call for a module call's tensors (into ``slots``), and a
-        tensor hook for each one's gradient."""
-        if tensors and self._host is None:
-            # on an accelerator the reduction is traced into the graph (the compiler fuses it into
-            # the kernel that makes the tensor) and its 0-d result leaves the graph as an output
-            # that Dynamo appends to the step's maxima: no op call, nothing held past its life
-            values, taken = self._batch.traced_values, self._batch.traced_slots
-            for t, slot in zip(tensors, slots):
-                values[DTYPE_INDEX[t.dtype]].append(t.detach().abs().amax())
-                taken[DTYPE_INDEX[t.dtype]].append(slot)
-            self.traced = True
-        elif tensors:
-            torch.ops.ampwatch.observe([t.detach() for t in tensors], self._id, slots)
+        """Under torch.compile: each of a module call's tensors reduced in the graph (accelerator) or
+        one op call for all of them (free reads), into ``slots``; and a tensor hook for each one's
+        gradient."""
+        rest, rest_slots = [], []
+        for t, slot in zip(tensors, slots):
+            if self._host is None and type(t) is torch.Tensor:
+                # on an accelerator the reduction is traced into the graph (the compiler fuses it
+                # into the kernel that makes the tensor) and its 0-d result leaves the graph as an
+                # output that Dynamo appends to the step's maxima: no op call, nothing held past
+                # its life
+                self._batch.traced_values[DTYPE_INDEX[t.dtype]].append(t.detach().abs().amax())
+                self._batch.traced_slots[DTYPE_INDEX[t.dtype]].append(slot)
+                self.traced = True
+            else:  # free reads, or a tensor subclass (a DTensor is reduced on this rank's shard)
+                rest.append(t.detach())
+                rest_slots.append(slot)
+        if rest:
+            torch.ops.ampwatch.observe(rest, self._id, rest_slots)
         if torch.is_grad_enabled():
             for t, slot in zip(tensors, slots):
                 if t.requires_grad:
