@@ -294,7 +294,7 @@ class Watch:
             return  # where reads are free the norms are read at backward end, to decide on detail
         order = self._clip_order  # the last clip's parameters, in its order, when it covered all of ours
         if order is not None and len(order) == len(tensors) and all(map(operator.is_, tensors, map(_GRAD, order))):
-            ids = self._clip_ids  # the same gradients as last step, found in ~20 us instead of ~80
+            ids = self._clip_ids  # the same parameters as last step: half the time of mapping them again
         else:
             ids = self._clip_gradient_ids(tensors)
             if ids is None:
