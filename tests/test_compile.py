@@ -359,3 +359,39 @@ def test_a_model_compiled_first_on_a_step_between_observed_ones_is_observed_on_t
             net = torch.compile(lambda batch: model(batch) * 1.0, backend="aot_eager")
         _train(net, (opt, scaler), x, 7)  # compiled on step 2, between observed steps
     assert _observed_steps(watch.path) == [0, 4, 8]
+
+
+def test_compiled_micro_batches_are_localized_like_eager(tmp_path, monkeypatch):
+    """Three micro-batches a step, a NaN in micro-batch 1's input on an observed step: on the
+    accelerator path the compiled forward hands its maxima out as graph outputs, folded after each
+    forward, so which micro-batch went bad first must come out as in eager, with no graph beyond
+    the observed step's own."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    found = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+        g = torch.Generator().manual_seed(3)
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"mb{compiled}.sqlite"), layer_every=2) as watch:
+            net = torch.compile(model, backend="inductor") if compiled else model
+            for step in range(6):
+                for mb in range(3):
+                    x = torch.randn(8, 16, generator=g)
+                    if step == 4 and mb == 1:
+                        x[0, 0] = float("nan")
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = net(x).float().pow(2).mean() / 3
+                    scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        if compiled:
+            assert len(_debug_get_cache_entry_list(Net.forward.__code__)) == 2
+        events = ampwatch.load(watch.path).events
+        found[compiled] = sorted(events[events.phase == "forward"][["step", "module", "micro_batch"]]
+                                 .itertuples(index=False, name=None))
+    assert (4, "<model>", 1) in found[False]
+    assert found[True] == found[False]
