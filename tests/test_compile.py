@@ -71,6 +71,21 @@ def run(tmp_path, name, *, compiled, watched, attach_after=False, fault_step=Non
     return None, losses, breaks, graphs
 
 
+def _train(net, model_opt_scaler, x, steps):
+    """``steps`` fp16 steps of ``net`` on one batch with a GradScaler; the losses."""
+    opt, scaler = model_opt_scaler
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = net(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def _same_record(a, b):
     cols = ["step", "loss_scale", "skipped", "micro_batches"]
     assert a.steps["loss"].fillna(-1).tolist() == pytest.approx(b.steps["loss"].fillna(-1).tolist(), rel=1e-6)
@@ -159,15 +174,7 @@ def _broken_run(tmp_path, watched, steps=4):
     watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "broken.sqlite"), layer_every=1) if watched else None
     net = torch.compile(model, backend="aot_eager")
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = net(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        losses.append(loss.detach())
+    losses = _train(net, (opt, scaler), x, steps)
     graphs = counters["stats"]["unique_graphs"]
     if watch is not None:
         watch.close()
@@ -296,17 +303,6 @@ def test_an_unwatched_instance_of_the_same_class_shares_no_graph_with_the_watche
     assert fc1.amax.max() < 10 * ref
 
 
-def _train(net, model_opt_scaler, x, steps):
-    opt, scaler = model_opt_scaler
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = net(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-
-
 def _observed_steps(path, module="fc1"):
     modules = ampwatch.load(path).modules
     return sorted(modules[(modules.module == module) & (modules.phase == "forward")].step)
@@ -315,11 +311,11 @@ def _observed_steps(path, module="fc1"):
 @pytest.mark.parametrize("user_reset", [False, True])
 def test_a_twin_compiled_while_recording_does_not_hand_the_watched_model_its_graph(tmp_path, monkeypatch,
                                                                                   user_reset):
-    """Without hook guards (torch's default, cheaper on every call), a graph compiled for an
-    unwatched instance of the watched class between two watched steps would run for the watched
-    model on its next step, with nothing inside observed. The compile is noticed as it ends (or,
-    after the user's own ``torch._dynamo.reset()``, which drops ampwatch's compile callback, the
-    reset is), and the watched model's next call turns hook guards on and recompiles."""
+    """A graph compiled for an unwatched instance of the watched class between two watched steps
+    (also right after the user's own ``torch._dynamo.reset()``) comes first in Dynamo's cache for
+    the class's forward: with torch's default guards it would run for the watched model on its next
+    step, with nothing inside observed. The hook guards ampwatch turns on reject it, and the watched
+    model keeps running its own graph."""
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes
     torch._dynamo.reset()
     x = torch.randn(8, 16)
@@ -342,9 +338,9 @@ def test_a_twin_compiled_while_recording_does_not_hand_the_watched_model_its_gra
 def test_a_model_compiled_first_on_a_step_between_observed_ones_is_observed_on_the_next(tmp_path, monkeypatch,
                                                                                      what):
     """Between ``layer_every`` steps an eager model runs without ampwatch's module hooks; compiled
-    for the first time there (itself, or inside a compiled function), its graph has none. Without
-    hook guards Dynamo would reuse that graph on the observed step: the compile is noticed, and the
-    observed step recompiles with the hooks."""
+    for the first time there (itself, or inside a compiled function), its graph has none. With
+    torch's default guards Dynamo would reuse that graph on the observed step; the hook guards make
+    the observed step recompile with the hooks."""
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: hooks off between
     torch._dynamo.reset()
     x = torch.randn(8, 16)
