@@ -16,6 +16,7 @@ import torch
 from . import observe
 
 from . import origins
+from .healthy import HealthyRows, slot_amax
 from ..store.rows import Rows
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
@@ -73,6 +74,7 @@ class PackReader:
         self.module_ids = module_ids
         self.module_names = module_names
         self.layer_every = layer_every
+        self._healthy = HealthyRows(len(module_names))
 
     def rows(self, pack: StepPack) -> Rows:
         if pack.ready is not None:
@@ -176,7 +178,19 @@ class PackReader:
                         nonfinite, zero_frac, mask))
 
     def _localization_rows(self, pack: StepPack, analysis: "_Analysis", out: Rows) -> None:
-        # Most steps are healthy and not detail steps: nothing to write, so the analysis is skipped.
+        # Most steps are healthy and not detail steps: nothing to write, so the analysis is skipped;
+        # a healthy detail step writes its module maxima, computed without the per-slot analysis
+        amax = analysis.healthy_amax() if pack.step % self.layer_every == 0 else None
+        if amax is not None:
+            loc = pack.loc
+            forward, backward = self._healthy.module_amax(amax, loc["aliases"], loc.get("changed", frozenset()))
+            step, ids = pack.step, self.module_ids
+            for m, (f, b) in enumerate(zip(forward, backward)):
+                if f > -math.inf:
+                    out.modules.append((ids[m], 0, step, f, 0))
+                if b > -math.inf:
+                    out.modules.append((ids[m], 1, step, b, 0))
+            return
         found = analysis.get(force=False)
         if found is None:
             return
@@ -213,6 +227,22 @@ class _Analysis:
         self._values: Optional[dict] = None
         self._result: Optional[tuple] = None
 
+    def _raw(self) -> tuple[torch.Tensor, int, int]:
+        """The stats' bytes (then the micro-batch marks), the number of slots and the stats' size."""
+        pack = self._pack
+        slots = observe.ROLES * len(self._reader.module_names)
+        raw = pack.flat if pack.scalars is not None else pack.flat[pack.scalar_bytes:]
+        return raw, slots, observe.stats_bytes(slots, pack.host_stats)
+
+    def healthy_amax(self) -> Optional[torch.Tensor]:
+        """Per slot max |x| (float64, -inf where unwritten) when modules were observed and every
+        slot is finite; None otherwise (nothing observed, or the full analysis is needed)."""
+        loc = self.loc
+        if not loc or not loc["observed"] or self._pack.flat is None:
+            return None
+        raw, slots, size = self._raw()
+        return slot_amax(raw[:size], slots, self._pack.host_stats)
+
     def get(self, force: bool) -> Optional[tuple[dict, dict, dict]]:
         """(slot values, stats, origins), or None: nothing observed, or (unless ``force``) a
         healthy step that is not a detail step."""
@@ -223,9 +253,7 @@ class _Analysis:
         if self._result is not None:
             return self._result
         if self._values is None:
-            slots = observe.ROLES * len(reader.module_names)
-            raw = pack.flat if pack.scalars is not None else pack.flat[pack.scalar_bytes:]
-            size = observe.stats_bytes(slots, pack.host_stats)
+            raw, slots, size = self._raw()
             if not force and pack.step % reader.layer_every and observe.all_finite(raw[:size], slots, pack.host_stats):
                 return None  # a healthy step that writes no module rows: nothing to decode
             first = raw[size:].view(torch.float32).tolist() if loc.get("first") else None
