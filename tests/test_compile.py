@@ -206,19 +206,20 @@ def test_failure_inside_the_compiled_op_stops_recording_not_training(tmp_path, m
     """An internal failure in the op's body, inside the user's compiled forward, warns once and
     stops recording; the compiled training goes on with the losses of the unwatched run."""
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
-    from ampwatch.record import observe
+    from ampwatch.record import batched
     _, plain_losses, _, _ = run(tmp_path, "plain", compiled=True, watched=False)
+    calls = []
 
-    def broken(self, tensors, slots):
-        if self._calls_seen >= 6:  # a bug met after the first steps: an internal error, not torch's
+    def broken(self, d, amax, slot):  # the body of ampwatch::keep_max, in the compiled backward
+        if len(calls) >= 6:  # a bug met after the first steps: an internal error, not torch's
             raise ZeroDivisionError("injected")
-        self._calls_seen += 1
+        calls.append(slot)
 
-    monkeypatch.setattr(observe.ModuleObserver, "_calls_seen", 0, raising=False)
-    monkeypatch.setattr(observe.ModuleObserver, "reduce_traced", broken)
+    monkeypatch.setattr(batched.BatchedReducer, "keep", broken)
     with pytest.warns(RuntimeWarning, match="stopped recording") as caught:
         _, losses, breaks, _ = run(tmp_path, "broken", compiled=True, watched=True)
     assert len([w for w in caught if "stopped recording" in str(w.message)]) == 1
+    assert len(calls) == 6
     assert breaks == {}
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
 
@@ -227,10 +228,11 @@ def test_failure_inside_the_compiled_op_stops_recording_not_training(tmp_path, m
 def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, monkeypatch, path):
     """CUDA graphs (mode 'reduce-overhead'/'max-autotune') replay captured kernels without running
     Python: ``ampwatch::observe`` would record once, at capture. Inductor's own check for ops it
-    must keep out of a CUDA graph flags every call of the op in the graphs AOTAutograd hands it
+    must keep out of a CUDA graph flags every call of our ops in the graphs AOTAutograd hands it
     (the gradient hooks in the backward; in the forward too where reads are free), and nothing else
     in them. On the accelerator path the forward holds no op at all: its maxima are plain graph
-    ops whose results leave as outputs, so a CUDA graph takes the forward whole."""
+    ops whose results leave as outputs, so a CUDA graph takes the forward whole; the backward's
+    maxima are reduced in the graph too and only handed out by ``ampwatch::keep_max``."""
     if path == "accelerator":
         monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
     from functorch.compile import make_boxed_func
@@ -257,11 +259,16 @@ def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, mon
     scaler.update()
     watch.close()
     assert len(graphs) == 2  # forward, backward
+    ours = {torch.ops.ampwatch.observe.default, torch.ops.ampwatch.keep_max.default}
     for gm, phase in zip(graphs, ["forward", "backward"]):
-        calls = [n for n in gm.graph.nodes if n.target is torch.ops.ampwatch.observe.default]
+        calls = [n for n in gm.graph.nodes if n.target in ours]
         unsafe = [n for n in gm.graph.nodes if n.op == "call_function" and is_cudagraph_unsafe_fx_node(n)]
         assert unsafe == calls
         assert bool(calls) == (phase == "backward" or path == "cpu")
+        if phase == "backward":  # on the accelerator path the gradients' maxima are reduced in the graph
+            kept = {n.target for n in calls}
+            assert kept == ({torch.ops.ampwatch.keep_max.default} if path == "accelerator"
+                            else {torch.ops.ampwatch.observe.default})
     if path == "accelerator":  # the forward's maxima are graph outputs: one per observed tensor
         outputs = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0]
         amax = [o for o in outputs if getattr(o, "target", None) is torch.ops.aten.amax.default]

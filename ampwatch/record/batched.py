@@ -72,6 +72,11 @@ class BatchedReducer:
         self._values[d].extend(torch._foreach_norm(tensors, math.inf))
         self._slots[d].extend(slots)
 
+    def keep(self, d: int, amax: torch.Tensor, slot: int) -> None:
+        """A 0-d max |x| reduced elsewhere (a compiled graph), folded with the step's other maxima."""
+        self._values[d].append(amax)
+        self._slots[d].append(slot)
+
     def flush(self) -> None:
         """Reduce every pending tensor now (one multi-tensor launch per dtype). Hooks queue tensors as they are, maybe requiring grad:
         reduced here under ``no_grad``, nothing is recorded for autograd."""

@@ -113,6 +113,38 @@ def _observe_fake(xs: list[torch.Tensor], buffer: int, slots: list[int]) -> None
     return None
 
 
+_LIBRARY.define("keep_max(Tensor amax, int buffer, int slot) -> ()",
+                tags=(_CUDAGRAPH_UNSAFE,) if _CUDAGRAPH_UNSAFE is not None else ())
+
+
+def keep_max(amax: torch.Tensor, buffer: int, slot: int) -> None:
+    """``ampwatch::keep_max``: a gradient's max |x|, reduced inside a compiled backward graph (the
+    compiler fuses the reduction into the kernel that makes the gradient), kept for ``slot`` of
+    observer ``buffer``. A gradient hook in a backward graph cannot hand a value out as a graph
+    output the way the forward's hooks do (:meth:`ModuleObserver._observe_traced`); this op call is
+    the way out. Its body keeps a copy of the 0-d tensor (the compiler may reuse its memory once the
+    op returns): one small copy where :func:`observe` ran a ``_foreach_norm`` over the gradient."""
+    observer = _OBSERVERS.get(buffer)
+    if observer is None or not observer.active or not observer.observing:
+        return
+    try:
+        if _CUDAGRAPH_UNSAFE is None and amax.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("module observation cannot run inside a CUDA graph capture (torch.compile "
+                               "mode 'reduce-overhead' or 'max-autotune' on torch without the cudagraph_unsafe "
+                               "tag): compile with mode='default', or upgrade torch")
+        observer._batch.keep(DTYPE_INDEX[amax.dtype], amax.clone(), slot)
+    except Exception as exc:  # inside the user's compiled backward: recording must never take it down
+        observer._failed(exc)
+
+
+_LIBRARY.impl("keep_max", keep_max, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ampwatch::keep_max")
+def _keep_max_fake(amax: torch.Tensor, buffer: int, slot: int) -> None:
+    return None
+
+
 def _keep_in_graphs(op: Any) -> None:
     """An op that returns nothing and mutates nothing would be dropped from compiled graphs as dead
     code. Where the compilers' dead-code check (``torch._library.utils.is_impure``) honours FX's
@@ -131,6 +163,7 @@ def _keep_in_graphs(op: Any) -> None:
 
 
 _keep_in_graphs(torch.ops.ampwatch.observe.default)
+_keep_in_graphs(torch.ops.ampwatch.keep_max.default)
 
 
 # Bound once (a Python frame less per hook call); Dynamo knows the function and folds it to True.
@@ -626,7 +659,11 @@ class ModuleObserver:
         # raise or return a tensor
         if self.active and grad is not None and grad.dtype in DTYPE_INDEX and grad.numel() > 0:
             if _compiling():  # a compiled backward (Dynamo traced the tensor hook)
-                torch.ops.ampwatch.observe([grad.detach()], self._id, [slot])
+                if self._host is None and type(grad) is torch.Tensor:
+                    # on an accelerator the reduction is traced into the backward graph too
+                    torch.ops.ampwatch.keep_max(grad.detach().abs().amax(), self._id, slot)
+                else:  # free reads (an aminmax and counts), or a tensor subclass (DTensor: its shard)
+                    torch.ops.ampwatch.observe([grad.detach()], self._id, [slot])
                 return
             try:
                 self._write(grad, slot)
