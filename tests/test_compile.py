@@ -120,6 +120,43 @@ def test_compiled_run_localizes_like_eager(tmp_path, kind, monkeypatch):
     _same_record(eager, comp)
 
 
+def test_hooks_leave_compiled_models_between_observed_steps_without_recompiles(tmp_path, monkeypatch):
+    """On the accelerator path the module hooks are removed between observed steps under compile too
+    (kept, Dynamo would check ~20 guards a module before every call), and registered again on the
+    next observed step with new handles: Dynamo keeps the two graphs, with no recompile however
+    often they alternate; every observed step is recorded from inside the graph and training is
+    bitwise that of the unwatched run."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes
+
+    def train(watched):
+        torch._dynamo.reset()
+        counters.clear()
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "w.sqlite"), layer_every=2) if watched else None
+        net = torch.compile(model, backend="aot_eager")
+        inner = list(model.modules())[1:]  # the root's own hooks (backward end, replay) stay: they run outside the graph
+        hooked, losses = [], []
+        x = torch.randn(8, 16)
+        for _ in range(9):
+            hooked.append(sum(len(m._forward_hooks) for m in inner))
+            losses += _train(net, (opt, scaler), x, 1)
+        if watch is not None:
+            watch.close()
+        return watch, losses, hooked, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+    _, plain_losses, _, plain_graphs, _ = train(False)
+    watch, losses, hooked, graphs, breaks = train(True)
+    assert breaks == {} and graphs == plain_graphs + 1
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+    assert [n > 0 for n in hooked] == [step % 2 == 0 for step in range(9)]
+    modules = ampwatch.load(watch.path).modules
+    forward = modules[modules.phase == "forward"]
+    assert sorted(set(forward.step)) == [0, 2, 4, 6, 8]
+    assert all(set(forward[forward.step == s].module) >= {"fc1", "act", "fc2", "head"} for s in (0, 2, 4, 6, 8))
+
+
 def test_attach_to_a_compiled_model_that_already_ran(tmp_path):
     """The old failure: attaching after the compiled model ran raised inside Dynamo. Now it recompiles
     once with the hooks and records the rest of the run; training is unchanged."""

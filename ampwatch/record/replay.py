@@ -8,9 +8,9 @@ any non-finite gradient makes ``scaler.step`` skip ``optimizer.step``, which the
 without a sync (the scaler read its inf flags itself). The parameters are then exactly those the
 step ran with, so the step can be run again, observed, before ``scaler.update``.
 
-So between ``layer_every`` steps the module hooks are off (eager: removed, so torch's module call
-takes its no-hook path; compiled: Dynamo runs the graph traced with observing off, which holds
-nothing of ampwatch's) and each forward of the root module only keeps references (no copy) to what
+So between ``layer_every`` steps the module hooks are off (removed, so torch's module call takes
+its no-hook path; compiled, Dynamo runs the graph it traced without them, which holds nothing of
+ampwatch's) and each forward of the root module only keeps references (no copy) to what
 a replay needs: its arguments, the RNG states, the autocast state, and the gradients that reached
 its outputs from outside the model (the loss's gradient, scaled). A skipped step is then replayed micro-batch by micro-batch in eager mode with
 the hooks on: the same forward, and ``torch.autograd.grad`` from the same output gradients, which
