@@ -24,6 +24,7 @@ is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
     python bench/hostcost.py --fused           # AdamW(fused=True): a skip is read from the inf flag
     python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
     python bench/hostcost.py --no-clip         # a loop that does not clip: the recorder's own norms
+    python bench/hostcost.py --compile-time inductor   # seconds to compile, with and without ampwatch
 """
 from __future__ import annotations
 
@@ -129,6 +130,36 @@ class Variant:
         return times, observed
 
 
+def first_steps(variant: str, backend: str, n: int) -> None:
+    """In a subprocess of :func:`compile_time`: the first ``n`` steps' seconds and the graphs compiled."""
+    torch.set_num_threads(1)
+    logging.getLogger("ampwatch").setLevel(logging.WARNING)
+    v = Variant(None if variant == "base" else {}, tempfile.mkdtemp(), "c", backend, False, False)
+    times = [v.step() for _ in range(n)]
+    print(variant, *(f"{t:.3f}" for t in times), torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def compile_time(backend: str) -> None:
+    """Seconds the first steps take with and without ampwatch, each in a fresh process with inductor's
+    caches off: without, step 0 compiles the one graph; with, step 0 compiles the observed graph and
+    step 1 the one the steps between observed ones run. Step ``layer_every`` (observed again) shows
+    that neither compiles again."""
+    import subprocess
+    from ampwatch.record.options import SETTINGS
+    every = next(s.default for s in SETTINGS if s.name == "layer_every")
+    env = dict(os.environ, TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    here = str(Path(__file__).resolve().parent)
+    print(f"\n## compile time, torch.compile({backend}), GPT-2 small structure, {PATH_ARG} path, torch {torch.__version__}\n")
+    print(f"| variant | step 0 s | step 1 s | step {every} s | graphs |")
+    print("|---|---|---|---|---|")
+    for variant in ("base", "ampwatch"):
+        code = f"import sys; sys.path.insert(0, {here!r}); import hostcost; hostcost.first_steps({variant!r}, {backend!r}, {every + 1})"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        fields = next(line for line in out.splitlines() if line.startswith(variant)).split()
+        times = fields[1:-1]
+        print(f"| {variant} | {float(times[0]):.1f} | {float(times[1]):.1f} | {times[every]} | {fields[-1]} |")
+
+
 def main() -> None:
     from ampwatch.record.options import SETTINGS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +170,12 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
     ap.add_argument("--no-clip", action="store_true", help="a loop without clip_grad_norm_ (the recorder measures "
                     "the gradient norms itself)")
+    ap.add_argument("--compile-time", metavar="BACKEND", help="only time the compiling steps, with and without "
+                    "ampwatch, with this backend (inductor's caches off)")
     args = ap.parse_args()
+    if args.compile_time:
+        compile_time(args.compile_time)
+        return
     every = next(s.default for s in SETTINGS if s.name == "layer_every")
     torch.set_num_threads(1)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)

@@ -4,7 +4,8 @@ Compiles the reference GPT (TinyGPT, 4 layers, d_model 256, seq 128, vocab 2000)
 the accelerator path (``AMPWATCH_CPU_AS_ACCELERATOR=1``: module values observed only on
 ``layer_every`` steps and replays, as on a GPU) and counts the kernels inductor generates for the
 forward and backward graphs it compiles (``torch._inductor.metrics.generated_kernel_count``) and the
-``ampwatch::observe`` calls in them, per variant:
+ampwatch op calls in the graph Dynamo hands it (the forward's; the gradient hooks' ``keep_max`` calls
+reach the backward graph later, through AOTAutograd), per variant:
 
 - ``without``: no ampwatch;
 - ``unobserved``: ampwatch attached, a step between ``layer_every`` steps (what most steps run);

@@ -4,10 +4,12 @@ watch.py (Watch: attach/log/close, step moments) · options.py (attach's options
 runinfo.py (what a run is, gathered at attach) · scaler.py (GradScaler hooks) · clipping.py (the
 clip threshold and the clip's own gradient norms) · compiled.py (torch.compile and the hooks) ·
 grads.py (gradient norms and detail) · observe.py and slots.py (module observation: static slots,
-one stats buffer, maxima traced into compiled graphs, the ``ampwatch::observe`` op) · backward.py
+one stats buffer, maxima traced into compiled graphs, the ``ampwatch::observe`` and
+``ampwatch::keep_max`` ops) · backward.py
 (when a backward pass ends) · replay.py (localizing a skipped step by replaying it) ·
 recompute.py (the fp32 counterfactual) · step.py (one flat tensor and one transfer per step) ·
-packing.py and origins.py (the writer thread's side: rows and origin analysis) · torch_access.py
+packing.py, origins.py and healthy.py (the writer thread's side: rows, origin analysis, a
+healthy step's module rows) · torch_access.py
 (the one place that reads torch objects' state, private attributes included, with public
 fallbacks).
 """
