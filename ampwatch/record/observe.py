@@ -23,10 +23,13 @@ forward hook traces ``x.abs().amax()`` for each tensor (inductor fuses it into t
 graph, so the maxima leave the graph as outputs: no op call, no Python per module call (the root's
 forward hook, outside the graph, folds them before another graph runs). Gradients are observed with
 ``Tensor.register_hook``, which Dynamo also traces, into the backward graph, where a hook cannot hand
-a value out that way: there, and for every hook where reads are free, the hook calls the op
-``ampwatch::observe`` (registered as a side effect, so the compilers keep it; its body reduces the
-tensor at run time with one launch). Eager fills the same gradient hook dict without the public
-method's Python costs (:func:`add_grad_hook`: the same gradient, at a fifth of the host cost).
+a value out that way: there the hook traces ``g.abs().amax()`` as well and hands the 0-d result to
+the op ``ampwatch::keep_max``, whose body keeps a copy of it. Where reads are free (and for a tensor
+subclass) every traced hook calls the op ``ampwatch::observe`` instead, whose body reduces the
+tensors at run time. Both ops are registered as side effects, so the compilers keep them. Eager
+fills the same gradient hook dict without the public method's Python costs (:func:`add_grad_hook`:
+the same gradient, at a fifth of the host cost). Between observed steps the hooks are removed, in
+eager and under torch.compile alike (:meth:`ModuleObserver.set_observing`).
 
 Where reads are free (CPU) the stats live on the host instead (:mod:`.hoststats`): a hook queues
 its tensor; at the flush one ``aminmax`` per tensor is read into an array of doubles, which the
