@@ -163,3 +163,46 @@ def test_a_clip_inside_a_compiled_function_breaks_no_graph(tmp_path, record_path
             opt.zero_grad(set_to_none=True)
     assert dict(counters["graph_break"]) == {}
     assert _recorded(ampwatch.load(watch.path)) == [pytest.approx(t, rel=1e-5) for t in truth]
+
+
+def test_two_watched_models_each_take_their_own_clips_norms(tmp_path, monkeypatch):
+    """Every watch hears every clip. A clip over another watched model's parameters is recognised
+    from the parameters the clip was handed, so its gradients are never mapped against ours (that
+    cost ~50 us a step per other watch); each run still records its own model's pre-clip norms."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    from ampwatch.record.watch import Watch
+    mapped = []
+    real = Watch._clip_gradient_ids
+
+    def mapping(self, tensors):  # our own method, counted: which watch mapped a clip's gradients
+        mapped.append(self.name)
+        return real(self, tensors)
+
+    monkeypatch.setattr(Watch, "_clip_gradient_ids", mapping)
+    loops = []
+    for seed in (0, 1):
+        model = mlp(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"m{seed}.sqlite"), layer_every=1)
+        loops.append((model, opt, scaler, watch, []))
+    for i in range(4):
+        for model, opt, scaler, _, truth in loops:
+            x, y = data(i)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            truth.append([float(p.grad.double().norm()) for p in model.parameters()])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    for _, _, _, watch, truth in loops:
+        watch.close()
+        recorded = _recorded(ampwatch.load(watch.path))
+        assert len(recorded) == 4
+        for got, want in zip(recorded, truth):
+            assert got == pytest.approx(want, rel=1e-5)
+    # each watch mapped its own model's clip once (step 1, the first clip it takes), never the other's
+    assert sorted(mapped) == ["m0", "m1"]

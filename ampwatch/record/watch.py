@@ -83,6 +83,7 @@ class Watch:
         self._clip_norms_expected = False
         self._clip_norms_taken = False
         self._clip_norms_refused = False
+        self._other_clip = False  # the clip being heard is over another model's parameters (_on_clip)
         self._loss_logged = False          # a watch.log(loss=...) decided this run's loss definition
         self._trigger: Optional[BackwardEnd] = None
         self._probes: list[Any] = []         # the autocast probes' handles (step 0 only, in eager)
@@ -268,8 +269,10 @@ class Watch:
 
     def _on_clip(self, parameters: Any, max_norm: Any) -> None:
         first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
-        if id(first) not in self._param_index:
-            return  # another model's clip
+        # the norms this clip is about to compute (on_clip_norms) are another model's: not mapped
+        self._other_clip = id(first) not in self._param_index
+        if self._other_clip:
+            return
         if isinstance(max_norm, torch.Tensor):
             if not torch_access.reads_are_free(max_norm.device):
                 return  # reading it would sync; the dashboard falls back to the config keys
@@ -295,6 +298,10 @@ class Watch:
         order = self._clip_order  # the last clip's parameters, in its order, when it covered all of ours
         if order is not None and len(order) == len(tensors) and all(map(operator.is_, tensors, map(_GRAD, order))):
             ids = self._clip_ids  # the same parameters as last step: half the time of mapping them again
+        elif self._other_clip:
+            # another watched model's clip (every watch hears every clip): mapping its gradients
+            # against ours cost ~50 us a step per other watch, to learn they are not ours
+            return
         else:
             ids = self._clip_gradient_ids(tensors)
             if ids is None:
