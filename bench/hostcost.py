@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
     ap.add_argument("--no-clip", action="store_true", help="a loop without clip_grad_norm_ (the recorder measures "
                     "the gradient norms itself)")
-    ap.add_argument("--compile-time", metavar="BACKEND", help="only time the compiling steps, with and without "
+    ap.add_argument("--compile-time", metavar="BACKEND", choices=["inductor", "aot_eager"], help="only time the compiling steps, with and without "
                     "ampwatch, with this backend (inductor's caches off)")
     args = ap.parse_args()
     if args.compile_time:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import ampwatch
 from ampwatch.record import origins, packing
+from helpers.loops import amp_step
 
 pytestmark = pytest.mark.usefixtures("record_path")
 
@@ -74,12 +74,7 @@ def test_healthy_module_rows_equal_the_full_analysis(tmp_path, monkeypatch):
             xb = x.clone()
             if step == 4:
                 xb[0, 0] = float("nan")  # a bad step: the full analysis, an event
-            with torch.autocast("cpu", dtype=torch.float16):
-                out = model(xb)
-            scaler.scale(F.mse_loss(out.float(), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+            amp_step(model, opt, scaler, xb, y)
     checked = 0
     for reader, pack in packs:
         if not (pack.loc and pack.loc["observed"]):

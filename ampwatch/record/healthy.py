@@ -15,21 +15,17 @@ from typing import Optional
 
 import torch
 
-from .slots import DTYPE_NAMES, GIN, IN, OUT, ROLES
-
-_DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
+from .observe import stats_rows
+from .slots import GIN, IN, OUT, ROLES
 
 
 def slot_amax(raw: torch.Tensor, slots: int, host: bool) -> Optional[torch.Tensor]:
     """Per slot the max |x| over its dtypes as float64 (-inf: never written), from the stats' bytes
-    as :func:`.observe.decode` reads them; None when any slot holds NaN or ±inf."""
-    per_dtype, start = [], 0
-    for dt in _DTYPES:
-        dt = torch.float64 if host else dt
-        size = slots * 2 * dt.itemsize
-        rows = raw[start:start + size].view(dt).view(slots, 2).double()
+    (:func:`.observe.stats_rows`); None when any slot holds NaN or ±inf."""
+    per_dtype = []
+    for rows in stats_rows(raw, slots, host):
+        rows = rows.double()
         per_dtype.append(torch.maximum(-rows[:, 0], rows[:, 1]))  # unwritten: max(-inf, -inf); NaN propagates
-        start += size
     amax = torch.stack(per_dtype).amax(dim=0)
     if not bool((amax < math.inf).all()):  # NaN or inf somewhere: the full analysis
         return None

@@ -245,16 +245,20 @@ def stats_bytes(slots: int, host: bool = False) -> int:
     return sum(slots * 2 * dt.itemsize for dt in DTYPES)
 
 
+def stats_rows(raw: torch.Tensor, slots: int, host: bool = False) -> Iterator[torch.Tensor]:
+    """Host side: per dtype (in :data:`DTYPES`' order) the (slots, 2) min/max rows, views of a CPU
+    copy of the stats' bytes as ``as_bytes`` (or, ``host``, :class:`.hoststats.HostStats`) lays them out."""
+    start = 0
+    for dt in DTYPES:
+        dt = torch.float64 if host else dt
+        size = slots * 2 * dt.itemsize
+        yield raw[start:start + size].view(dt).view(slots, 2)
+        start += size
+
+
 def decode(raw: torch.Tensor, slots: int, host: bool = False) -> list[list[tuple[float, float]]]:
     """Host side: per dtype, per slot (min, max) from a CPU copy of the stats' bytes."""
-    out, start = [], 0
-    for dt in DTYPES:
-        size = slots * 2 * (8 if host else dt.itemsize)
-        chunk = raw[start:start + size].view(torch.float64 if host else dt)
-        values = (chunk if host else chunk.float()).view(slots, 2).tolist()
-        out.append([tuple(v) for v in values])  # type: ignore[misc]
-        start += size
-    return out
+    return [[tuple(v) for v in (rows if host else rows.float()).tolist()] for rows in stats_rows(raw, slots, host)]
 
 
 def all_finite(raw: torch.Tensor, slots: int, host: bool = False) -> bool:
@@ -262,14 +266,9 @@ def all_finite(raw: torch.Tensor, slots: int, host: bool = False) -> bool:
     them (two reductions per dtype instead of a Python tuple per slot: the writer asks this on
     every healthy step, and its Python holds the GIL beside a host-bound training thread). An
     unwritten slot (min +inf, max -inf) is finite; NaN fails both comparisons."""
-    start = 0
-    for dt in DTYPES:
-        dt = torch.float64 if host else dt
-        size = slots * 2 * dt.itemsize
-        rows = raw[start:start + size].view(dt).view(slots, 2)
-        if not bool((rows * _SIGN[dt]).max() < math.inf):  # max of (-min, max): NaN propagates
+    for rows in stats_rows(raw, slots, host):
+        if not bool((rows * _SIGN[rows.dtype]).max() < math.inf):  # max of (-min, max): NaN propagates
             return False
-        start += size
     return True
 
 
