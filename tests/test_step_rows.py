@@ -306,3 +306,35 @@ def test_a_value_log_cannot_record_is_refused_at_the_call_and_recording_goes_on(
     assert metrics["lr"].tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]
     assert metrics["one"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
     assert run.notices.empty
+
+
+def test_grad_norm_of_non_finite_gradients_is_inf_or_nan_as_the_gradients_say(tmp_path):
+    """The step row's grad_norm: inf when a gradient holds inf, NaN when one holds NaN (NaN wins over
+    inf, as in the sum of squares), finite otherwise; each bad parameter named in an event. Gradients
+    poisoned through parameter hooks on chosen steps; the scaler skips those steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    poison = {2: {"0.weight": math.inf}, 4: {"0.weight": math.inf, "2.bias": math.nan}}
+    step = [0]
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: g.fill_(poison[step[0]][name])
+                        if name in poison.get(step[0], {}) else g)
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"))
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    for step[0] in range(6):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    watch.close()
+    run = ampwatch.load(watch.path)
+    norms = run.steps.set_index("step")["grad_norm"]
+    assert norms[2] == math.inf
+    assert math.isnan(norms[4])
+    assert all(math.isfinite(norms[s]) and norms[s] > 0 for s in (0, 1, 3, 5))
+    assert list(run.steps["skipped"]) == [False, False, True, False, True, False]
+    grads = run.events[run.events["phase"] == "param_grad"]
+    named = {(int(r.step), r.module, r.kind) for r in grads.itertuples()}
+    assert named == {(2, "0.weight", "inf"), (4, "0.weight", "inf"), (4, "2.bias", "nan")}

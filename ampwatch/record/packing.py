@@ -95,7 +95,13 @@ class PackReader:
         found_inf = (seg("found_inf") or [None])[0]
         skipped = pack.skipped if pack.skipped is not None else bool(found_inf)
         norms = seg("norms")
-        grad_norm = math.sqrt(sum(n * n for n in norms)) if norms else None
+        # one C call for the usual finite step (math.hypot); non-finite norms take the sum, whose
+        # NaN wins over inf as the step's NaN bit expects. Every step passes here on the writer
+        # thread, and its Python holds the GIL that the training thread waits for
+        grad_norm = math.hypot(*norms) if norms else None
+        finite = grad_norm is None or math.isfinite(grad_norm)
+        if not finite:
+            grad_norm = math.sqrt(sum(n * n for n in norms))
         nan_mask = 0
         if loss is not None and math.isnan(loss):
             nan_mask |= STEP_NAN_BITS["loss"]
@@ -110,7 +116,7 @@ class PackReader:
             if key.startswith("metric:") and n:
                 out.metrics.append((key[7:], pack.step, _nullable(values[off])))
 
-        bad_params = [i for i, n in zip(pack.norm_ids, norms) if not math.isfinite(n)]
+        bad_params = [] if finite else [i for i, n in zip(pack.norm_ids, norms) if not math.isfinite(n)]
         detail = self._details(pack, seg("detail"))
         if (pack.step % self.layer_every == 0 or skipped or bad_params) and norms:
             out.layers.extend(self._layer_rows(pack, norms, detail))

@@ -158,6 +158,9 @@ class RunWriter:
             # steps first: everything put before this item (or before close's _STOP) is in the deque
             while self._steps:
                 pending.extend(self._to_rows(self._steps.popleft()))
+                # hand the GIL back between steps: a training thread waiting for it would otherwise
+                # wait for the whole burst (up to the 5 ms switch interval) instead of one step's rows
+                time.sleep(0)
             if item is _STOP:
                 stop = True
             elif item is not None:
