@@ -22,20 +22,36 @@ def test_attach_changes_no_number(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_close_restores_scaler_optimizer_and_model(tmp_path):
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+              "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_close_restores_scaler_optimizer_and_model(tmp_path, steps, record_path):
+    """Closed after step 0 (on the accelerator path the module hooks are then out until step 2,
+    the next layer_every step) or after step 1 (they are back in): every hook dict of every module
+    is as before attach."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
+
+    def hooks():
+        return [[sorted(getattr(m, d, {})) for d in HOOK_DICTS] for m in model.modules()]
+
     before = (dict(scaler.__dict__), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
-              [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()])
-    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"))
+              hooks())
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=2)
     assert "step" in scaler.__dict__
-    amp_step(model, opt, scaler, *data(0))
+    for i in range(steps):
+        amp_step(model, opt, scaler, *data(i))
+    hooked = hooks()[1:] != before[3][1:]  # the root keeps the replay's hooks on every step
     watch.close()
     watch.close()  # idempotent
     after = (dict(scaler.__dict__), len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks),
-             [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()])
+             hooks())
     assert set(after[0]) == set(before[0]) and after[1:] == before[1:]
+    if record_path == "accelerator":  # replay localizes a skip: modules are observed on layer_every steps
+        assert hooked == (steps == 2)
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
                if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
 

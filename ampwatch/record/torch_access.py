@@ -165,6 +165,24 @@ def at_backward_end(callback: Any) -> None:
 
 # --- distributed ----------------------------------------------------------------------------
 
+def unhook(handle: Any) -> list[tuple[dict, int, Any]]:
+    """Take a registered module hook out of its module's dicts, as ``handle.remove()`` would, and
+    return what was taken: :func:`rehook` puts the very same entries back. ~1 us a hook against
+    ~5 us for registering anew (a handle, its weakrefs), times every module on each observed step."""
+    taken = []
+    for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):  # torch.utils.hooks.RemovableHandle
+        hooks = ref()
+        if hooks is not None and handle.id in hooks:
+            taken.append((hooks, handle.id, hooks.pop(handle.id)))
+    return taken
+
+
+def rehook(taken: list[tuple[dict, int, Any]]) -> None:
+    """Undo :func:`unhook`: the same key and hook, at the end of each dict (where registering puts it)."""
+    for hooks, key, value in taken:
+        hooks[key] = value
+
+
 def is_dtensor(t: Any) -> bool:
     """A ``DTensor`` (FSDP2 parameters and gradients, tensor parallelism), without importing it."""
     return hasattr(t, "placements") and hasattr(t, "to_local")
