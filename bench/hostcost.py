@@ -15,6 +15,12 @@ replayed), ``replay=False`` (every module observed on every step), ``localize=Fa
 eager for scale the *hook floor*: what per-module observation through Python hooks costs when the
 hooks do nothing (a forward hook per module, a gradient hook per output).
 
+Two copies of one model, trained the same way, differ by up to ~0.3 ms a step here (where their
+tensors and code land in memory): as much as ampwatch adds between observed steps. So each
+variant runs ``--copies`` copies (default 2; a round runs a block of each) and its figure is their
+mean, and a second, independent set of base copies (``base again``) shows what that spread still
+leaves: a ratio is only as good as ``base again``'s distance from 1.
+
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
 
@@ -164,6 +170,8 @@ def main() -> None:
     from ampwatch.record.options import SETTINGS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--copies", type=int, default=2, help="independent copies of the model per variant, "
+                    "averaged (copies differ by up to ~0.3 ms a step where their memory lands)")
     ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
     ap.add_argument("--compile", metavar="BACKEND", help="torch.compile every copy with this backend (inductor, aot_eager)")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
@@ -180,31 +188,39 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     folder = tempfile.mkdtemp()
-    specs = [("base", None), ("ampwatch", {}), ("replay=False", {"replay": False}), ("localize=False", {"localize": False})]
+    specs = [("base", None), ("base again", None), ("ampwatch", {}), ("replay=False", {"replay": False}),
+             ("localize=False", {"localize": False})]
     if not args.compile:
-        specs.insert(1, ("hook floor", "hook floor"))
-    variants = {name: Variant(options, folder, name.replace("=", "_"), args.compile, args.fused, args.bf16,
-                              not args.no_clip)
+        specs.insert(2, ("hook floor", "hook floor"))
+    variants = {name: [Variant(options, folder, f"{name.replace('=', '_').replace(' ', '_')}_{c}", args.compile,
+                               args.fused, args.bf16, not args.no_clip) for c in range(args.copies)]
                 for name, options in specs}
-    for v in variants.values():
-        v.block(3)  # compiles (both graphs: the first steps observe), learns, warms up
-        v.block(every - 3)  # blocks start on a layer_every step from here on
+    for copies in variants.values():
+        for v in copies:
+            v.block(3)  # compiles (both graphs: the first steps observe), learns, warms up
+            v.block(every - 3)  # blocks start on a layer_every step from here on
     mean: dict[str, list[float]] = {name: [] for name in variants}
     between: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times, observed = variants[name].block(every)
-            mean[name].append(statistics.fmean(times))
-            between[name].append(statistics.median(t for t, o in zip(times, observed) if not o)
-                                 if not all(observed) else statistics.median(times))
-    modules = len(list(variants["base"].model.modules()))
-    params = len(list(variants["base"].model.parameters()))
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        for c in range(args.copies):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times, observed = variants[name][c].block(every)
+                runs[name].append((statistics.fmean(times),
+                                   statistics.median(t for t, o in zip(times, observed) if not o)
+                                   if not all(observed) else statistics.median(times)))
+        for name, figures in runs.items():  # the mean over the variant's copies
+            mean[name].append(statistics.fmean(f[0] for f in figures))
+            between[name].append(statistics.fmean(f[1] for f in figures))
+    modules = len(list(variants["base"][0].model.modules()))
+    params = len(list(variants["base"][0].model.parameters()))
     mode = f"torch.compile({args.compile})" if args.compile else "eager"
     opt = ("AdamW(fused=True)" if args.fused else "AdamW") + (", bf16 without a scaler" if args.bf16 else ", fp16 + GradScaler") \
         + (", no clip" if args.no_clip else ", clip_grad_norm_")
     print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
-          f"{mode}, {opt}, torch {torch.__version__}, {args.rounds} rounds x {every} steps (layer_every), 1 thread\n")
+          f"{mode}, {opt}, torch {torch.__version__}, {args.rounds} rounds x {every} steps (layer_every) x "
+          f"{args.copies} copies a variant, 1 thread\n")
     print("| variant | ms/step, whole blocks | added | ratio | ms/step between observed | added | ratio |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
@@ -214,9 +230,10 @@ def main() -> None:
         ratio_b = statistics.median(v / b for v, b in zip(between[name], between["base"]))
         print(f"| {name} | {statistics.median(mean[name]) * 1e3:.2f} | {added:+.2f} | {ratio:.3f}x "
               f"| {statistics.median(between[name]) * 1e3:.2f} | {added_b:+.2f} | {ratio_b:.3f}x |")
-    for v in variants.values():
-        if v.watch is not None:
-            v.watch.close()
+    for copies in variants.values():
+        for v in copies:
+            if v.watch is not None:
+                v.watch.close()
 
 
 if __name__ == "__main__":
