@@ -163,7 +163,7 @@ def at_backward_end(callback: Any) -> None:
     engine.queue_callback(lambda: engine.queue_callback(callback))
 
 
-# --- distributed ----------------------------------------------------------------------------
+# --- module hooks ----------------------------------------------------------------------------
 
 def unhook(handle: Any) -> list[tuple[dict, int, Any]]:
     """Take a registered module hook out of its module's dicts, as ``handle.remove()`` would, and
@@ -182,6 +182,8 @@ def rehook(taken: list[tuple[dict, int, Any]]) -> None:
     for hooks, key, value in taken:
         hooks[key] = value
 
+
+# --- distributed ----------------------------------------------------------------------------
 
 def is_dtensor(t: Any) -> bool:
     """A ``DTensor`` (FSDP2 parameters and gradients, tensor parallelism), without importing it."""
