@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("--compile-time", metavar="BACKEND", choices=["inductor", "aot_eager"], help="only time the compiling steps, with and without "
                     "ampwatch, with this backend (inductor's caches off)")
     args = ap.parse_args()
+    if args.copies < 1 or args.rounds < 1:
+        ap.error("--copies and --rounds must be at least 1")
     if args.compile_time:
         compile_time(args.compile_time)
         return

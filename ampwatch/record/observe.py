@@ -314,9 +314,8 @@ class ModuleObserver:
         # compiled graph stays one graph
         self.observing = True
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
-        self._specs: list[tuple[int, bool, Any]] = []  # (module, pre-hook?, hook) to re-register
-        self._hooked = True  # the hooks in _specs are registered
-        self._taken: list[list[tuple[dict, int, Any]]] = []  # unhooked entries, while not _hooked
+        self._hooked = True  # the hooks of _handles are in their modules' hook dicts
+        self._taken: list[list[tuple[dict, int, Any]]] = []  # their entries, taken out while not _hooked
         # learned structure: (module, IN or OUT, call, position) of a tensor -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int, int], int] = {}
         self._targets: set[int] = set()  # the slots aliases point to (their tensors are checked each step)
@@ -344,14 +343,10 @@ class ModuleObserver:
                 self._add_pre_hook(index)
 
     def _hook(self, index: int, pre: bool, fn: Any) -> None:
-        self._specs.append((index, pre, ours(fn)))
-        if self._hooked:
-            self._register(index, pre, fn)
-
-    def _register(self, index: int, pre: bool, fn: Any) -> None:
+        # called while the hooks are in (at attach, or from a hook on a learning step)
         module = self.modules[index]
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
-        self._handles.append(register(fn, with_kwargs=True))
+        self._handles.append(register(ours(fn), with_kwargs=True))
 
     def _add_pre_hook(self, index: int) -> None:
         before: Any = self._before_hook
@@ -375,13 +370,10 @@ class ModuleObserver:
         if not self.active or on == self._hooked:
             return
         self._hooked = on
-        if on and self._taken:  # the entries taken out last time, put back as they were
+        if on:  # the entries taken out last time, put back as they were
             for taken in self._taken:
                 torch_access.rehook(taken)
             self._taken = []
-        elif on:
-            for spec in self._specs:
-                self._register(*spec)
         else:
             self._taken = [torch_access.unhook(handle) for handle in self._handles]
 
