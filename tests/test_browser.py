@@ -129,6 +129,7 @@ def test_live_drag_zoom_survives_redraws(server, browser, tmp_path):
     """A drag on the Live chart is the view kept while a growing run redraws (Streamlit mounts a
     changed chart anew, so Plotly's own zoom would reset every few seconds)."""
     from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.keys import Keys
     from test_app import _append, _make_run
     path = _make_run(tmp_path / "grow.sqlite", [1.0 - 0.005 * i for i in range(60)], status="running")
@@ -137,16 +138,21 @@ def test_live_drag_zoom_survives_redraws(server, browser, tmp_path):
     box.send_keys(Keys.CONTROL, "a", Keys.DELETE)
     box.send_keys(str(tmp_path), Keys.ENTER)
     _wait(browser, '[data-testid="stMain"]', text="redrawing every")
-    plot = _wait(browser, ".js-plotly-plot .nsewdrag")
 
     def x_range():
         return browser.execute_script("const p=document.querySelector('.js-plotly-plot');"
                                       " return p ? p._fullLayout.xaxis.range : null;")
 
     time.sleep(1)
-    width = plot.size["width"]
-    ActionChains(browser).move_to_element_with_offset(plot, -width // 2 + 60, 0).click_and_hold() \
-        .move_by_offset(80, 0).move_by_offset(80, 2).release().perform()
+    for attempt in range(5):  # the live page redraws: the chart found may be replaced before the drag
+        plot = _wait(browser, ".js-plotly-plot .nsewdrag")
+        try:
+            width = plot.size["width"]
+            ActionChains(browser).move_to_element_with_offset(plot, -width // 2 + 60, 0).click_and_hold() \
+                .move_by_offset(80, 0).move_by_offset(80, 2).release().perform()
+            break
+        except StaleElementReferenceException:
+            time.sleep(0.5)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (x_range() and x_range()[1] - x_range()[0] < 40):
         time.sleep(0.3)
