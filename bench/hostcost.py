@@ -194,6 +194,16 @@ def main() -> None:
              ("localize=False", {"localize": False})]
     if not args.compile:
         specs.insert(2, ("hook floor", "hook floor"))
+    else:
+        # Every watched copy has graphs of its own (its hooks guard on its modules' identity), all
+        # under one code object (the model class's forward): past Dynamo's recompile limit (8) a
+        # copy would silently run eager and the table would compare eager with compiled. A
+        # training process holds one or two watched models; this one holds len(specs) x copies.
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name,
+                        max(getattr(torch._dynamo.config, name), 8 + 4 * len(specs) * args.copies))
     variants = {name: [Variant(options, folder, f"{name.replace('=', '_').replace(' ', '_')}_{c}", args.compile,
                                args.fused, args.bf16, not args.no_clip) for c in range(args.copies)]
                 for name, options in specs}
