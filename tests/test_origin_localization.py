@@ -1,6 +1,8 @@
 """Where NaN/Inf is born. The injected fault's location is the ground truth."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -413,3 +415,31 @@ def test_a_training_mode_model_under_inference_mode_is_left_alone(tmp_path):
             out = model(x)  # model.training is still True
         amp_step(model, opt, scaler, x, y)
     assert out.shape[0] == x.shape[0]
+
+
+@pytest.mark.parametrize("last_bias", [False, True], ids=["odd-scalar-count", "even-scalar-count"])
+def test_live_observation_reads_module_stats_after_any_count_of_float32_scalars(tmp_path, record_path, last_bias):
+    """A healthy step's scalars (loss, scale, one norm per parameter) are packed as float32 on the
+    accelerator path; the module stats behind them hold float64 rows. With an odd count of scalars
+    (3 parameters + loss + scale) they end 4 bytes off an 8-byte boundary: every live-observed step
+    must still be read, and a fault on a step between layer_every steps localized on it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4, bias=last_bias))
+    assert len(list(model.parameters())) == (4 if last_bias else 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    fault_step = 2  # not a layer_every step: observed live, no per-parameter detail unless bad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "ampwatch stopped recording" fails the test
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), replay=False,
+                             layer_every=4) as watch:
+            for step in range(6):
+                x, y = data(step)
+                amp_step(model, opt, scaler, x * (1e6 if step == fault_step else 1.0), y)
+    run = ampwatch.load(watch.path)
+    assert run.steps["step"].tolist() == list(range(6))
+    assert run.steps.set_index("step")["skipped"].astype(bool).tolist() == [s == fault_step for s in range(6)]
+    assert "recording-stopped" not in set(run.notices["code"])
+    ev = run.events
+    origin = ev[ev.origin & (ev.phase == "forward")]
+    assert origin[["step", "module"]].values.tolist() == [[fault_step, "0"]]

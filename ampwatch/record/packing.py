@@ -238,6 +238,10 @@ class _Analysis:
         pack = self._pack
         slots = observe.ROLES * len(self._reader.module_names)
         raw = pack.flat if pack.scalars is not None else pack.flat[pack.scalar_bytes:]
+        if pack.scalar_bytes % 8:
+            # an odd count of float32 scalars: the stats' float64 rows need a copy of their own to be
+            # viewed (a view of another dtype must start at a multiple of its size)
+            raw = raw.clone()
         return raw, slots, observe.stats_bytes(slots, pack.host_stats)
 
     def healthy_amax(self) -> Optional[torch.Tensor]:

@@ -5,6 +5,11 @@ dtype, then the module stats as they stand at the step's end (the device buffer;
 doubles of ``hoststats.HostStats``), then (steps of several
 micro-batches only) the per-slot micro-batch marks. On CUDA the copy to the host is
 non-blocking and an event marks when the writer thread may read it; nothing here waits.
+
+Two moments: the scalars are packed (:func:`pack_scalars`) right before ``scaler.update()``, whose
+in-place change of the scale would otherwise need a copy of it first, and the step is closed
+(:func:`pack_step`) once ``update()`` returned. A step between ``layer_every`` steps costs one op
+(the scalars' ``cat``) on the device path.
 """
 from __future__ import annotations
 
@@ -89,11 +94,8 @@ def _scalar_segments(watch: Any, scale: Optional[torch.Tensor], found: Optional[
     return segments
 
 
-def _host_flat(segments: list, observer: Any) -> tuple[list[float], Optional[torch.Tensor], Optional[dict]]:
-    """Where reads are free: the scalars read into a list of floats (``tolist``, free on the CPU),
-    and the observer's host stats as bytes (a memcpy) when it measured any this step: no op at all.
-    Each op saved is ~15 us of a CPU training step. Returns (scalars, stats bytes or None, the
-    observer's step structure)."""
+def _host_values(segments: list) -> list[float]:
+    """Where reads are free: the scalars read into a list of floats (``tolist``, free on the CPU)."""
     values: list[float] = []
     for _, t in segments:
         if isinstance(t, torch.Tensor):
@@ -102,21 +104,41 @@ def _host_flat(segments: list, observer: Any) -> tuple[list[float], Optional[tor
             values.extend(t)
         else:
             values.append(float(t))
-    flat = loc = None
-    if observer is not None:
-        marks = [t.cpu().numpy().tobytes() for t in observer.first_bytes()]
-        loc = observer.take()  # flushes what is pending into the host stats
-        if loc["observed"]:  # else the stats are empty and nothing reads them (packing._Analysis)
-            buf = bytearray(observer.stats_host_bytes())
-            for mark in marks:
-                buf += mark
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-    return values, flat, loc
+    return values
 
 
-def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.Tensor], now: float) -> StepPack:
-    """The StepPack for the step that ends now (the observer starts its next step)."""
-    state, dev = watch.state, watch._device
+def _host_stats(observer: Any) -> tuple[Optional[torch.Tensor], dict]:
+    """Where reads are free: the observer's host stats as bytes (a memcpy) when it measured any this
+    step, and its step structure: no op at all (each op is ~15 us of a CPU training step)."""
+    marks = [t.cpu().numpy().tobytes() for t in observer.first_bytes()]
+    loc = observer.take()  # flushes what is pending into the host stats
+    if not loc["observed"]:  # the stats are empty and nothing reads them (packing._Analysis)
+        return None, loc
+    buf = bytearray(observer.stats_host_bytes())
+    for mark in marks:
+        buf += mark
+    return torch.frombuffer(buf, dtype=torch.uint8), loc
+
+
+@dataclass
+class StepScalars:
+    """The step's scalars (loss, scale, found_inf, gradient norms and detail, tensor metrics), packed
+    as soon as they are all known: before ``scaler.update()``, which changes the scale in place, so
+    the concatenation copies the scaler's own tensor and no snapshot of it is needed (one op a step
+    fewer). ``device``: the scalars in the pack dtype as bytes, on the device (one ``cat``), or
+    None; where reads are free ``values`` holds them as floats instead."""
+    layout: dict
+    host_metrics: dict
+    nbytes: int
+    dtype: torch.dtype
+    scaled: bool = False  # the scale is among them (a GradScaler loop)
+    device: Optional[torch.Tensor] = None
+    values: Optional[list] = None
+
+
+def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepScalars:
+    """The step's scalars: ``scale`` is the scaler's live scale tensor (or, where reads are free, a
+    float), read here before ``update()`` changes it. One op on the device path, none on the host."""
     dt = torch.float64 if watch._reads_free else watch._pack_dtype  # the host path packs doubles
     host_metrics: dict[str, float] = {}
     segments = _scalar_segments(watch, scale, found, host_metrics)
@@ -125,16 +147,34 @@ def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.T
         n = t.numel() if isinstance(t, torch.Tensor) else len(t) if isinstance(t, list) else 1
         layout[key] = (offset, n)
         offset += n
-    scalar_bytes = offset * dt.itemsize
-    observer, loc = watch.observer, None
-    flat = ready = host_scalars = None
+    device = None
     if watch._reads_free:
-        host_scalars, flat, loc = _host_flat(segments, observer)
+        values = _host_values(segments)
+    elif segments:
+        dev = watch._device
+        tensors = [t.to(dev) for _, t in segments]
+        if all(t.dtype == torch.float32 for t in tensors):
+            # every value is a float32 already (a healthy step's loss, scale and norms): packed as
+            # they are, exactly; a cat into float64 needed an output allocated first, at ~3x the host time
+            dt = torch.float32
+            device = torch.cat(tensors).view(torch.uint8)
+        else:  # one op: cat converts every segment into the pack dtype as it copies
+            device = torch.cat(tensors, out=torch.empty(offset, dtype=dt, device=dev)).view(torch.uint8)
+    return StepScalars(layout, host_metrics, offset * dt.itemsize, dt, scaled=scale is not None,
+                       device=device, values=values if watch._reads_free else None)
+
+
+def pack_step(watch: Any, scalars: StepScalars, now: float) -> StepPack:
+    """The StepPack for the step that ends now (the observer starts its next step): ``scalars``
+    from :func:`pack_scalars`, and the module stats as they stand."""
+    state = watch.state
+    observer, loc = watch.observer, None
+    flat = ready = None
+    if watch._reads_free:
+        if observer is not None:
+            flat, loc = _host_stats(observer)
     else:
-        parts = []
-        if segments:  # one op: cat converts every segment into the pack dtype as it copies
-            scalars = torch.empty(offset, dtype=dt, device=dev)
-            parts.append(torch.cat([t.to(dev) for _, t in segments], out=scalars).view(torch.uint8))
+        parts = [scalars.device] if scalars.device is not None else []
         if observer is not None:
             first = observer.first_bytes()
             loc = observer.take()  # folds what is pending into the buffer first
@@ -143,16 +183,16 @@ def pack_step(watch: Any, scale: Optional[torch.Tensor], found: Optional[torch.T
                 parts.extend(first)
         if parts:
             flat, ready = _transfer(torch.cat(parts) if len(parts) > 1 else parts[0],
-                                    fresh=bool(segments) or len(parts) > 1)
+                                    fresh=scalars.device is not None or len(parts) > 1)
     if observer is not None and (watch._reads_free or loc["observed"]):
         observer.reset_buffer(first=bool(loc and loc["first"]))  # stream-ordered after the copy above
     lr = watch.optimizer.param_groups[0].get("lr") if watch.optimizer.param_groups else None
     return StepPack(
         step=watch.step, time=now, duration_s=now - state.started, lr=None if lr is None else float(lr),
         micro_batches=max(state.backwards, state.scale_calls),
-        skipped=None if (watch._fused or scale is None) else not state.stepped,
-        flat=flat, ready=ready, layout=layout, host_metrics=host_metrics,
+        skipped=None if (watch._fused or not scalars.scaled) else not state.stepped,
+        flat=flat, ready=ready, layout=scalars.layout, host_metrics=scalars.host_metrics,
         norm_ids=watch.grads.norm_ids, detail_ids=watch.grads.detail_ids, param_numel=watch._param_numel,
-        loc=loc, scalar_bytes=scalar_bytes, pack_dtype=dt,
+        loc=loc, scalar_bytes=scalars.nbytes, pack_dtype=scalars.dtype,
         exact_counts=watch._reads_free,
-        host_stats=observer is not None and observer.host_stats, scalars=host_scalars)
+        host_stats=observer is not None and observer.host_stats, scalars=scalars.values)

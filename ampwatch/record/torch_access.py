@@ -61,12 +61,11 @@ def scale_tensor(scaler: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def scale_snapshot(scaler: Any, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """:func:`scale_tensor` copied straight into ``dtype`` (the step pack's): one op, no sync."""
+def live_scale(scaler: Any) -> Optional[torch.Tensor]:
+    """The scaler's own scale tensor (not a copy: ``update()`` changes it in place, so read it
+    before), or None before the scaler's first use. No op, no sync."""
     scale = getattr(scaler, "_scale", None)
-    if isinstance(scale, torch.Tensor):
-        return scale.detach().reshape(()).to(dtype, copy=True)
-    return None
+    return scale.detach() if isinstance(scale, torch.Tensor) else None
 
 
 class ScaleReads:

@@ -34,7 +34,7 @@ from .grads import GradMeter
 from . import copies, fp8, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
-from .step import StepState, pack_step
+from .step import StepScalars, StepState, pack_scalars, pack_step
 
 log = logging.getLogger("ampwatch")
 if not log.handlers:  # say once where the run goes, even when the user configured no logging
@@ -398,7 +398,7 @@ class Watch:
         if self.state.scaler_stepped:  # step() twice without update(): close the previous step ourselves
             self.writer.put_notice(self.step, "step-without-update",
                                    "scaler.step() was called again before scaler.update()")
-            self.end_step(None, None)
+            self.end_step()
         self.state.scaler_stepped = True
         self._fused_inv_scale = self._fused_found = None
         if (self._fused and torch_access.scaler_enabled(self.scaler)
@@ -462,20 +462,21 @@ class Watch:
             check_step(self.observer, skipped)
 
     def before_update(self) -> Optional[tuple]:
+        """The step's scalars, packed now (``update()`` changes the scale in place): ``(scalars,)``
+        for :meth:`end_step` once ``update()`` returned, or None when no step is open."""
         if not self.state.scaler_stepped:
             return None
         if not torch_access.scaler_enabled(self.scaler):
-            return None, None
-        # the scale this step's grads carried (copied: update() changes it in place), and with fused
-        # optimizers the inf flags: device tensors, no sync
+            return (None,)
+        # the scale this step's grads carried, and with fused optimizers the inf flags: device
+        # tensors, copied into the pack by its one cat, no sync
         found = None
         if self._fused:  # summed once a step: after_scaler_step may have summed it already
             found = self._fused_found if self._fused_found is not None else \
                 torch_access.found_inf(self.scaler, self.optimizer)
             self._fused_found = None
-        if self._reads_free:  # read now: a float needs no copy to survive update()
-            return self._scale_reads.value(self.scaler), found
-        return torch_access.scale_snapshot(self.scaler, self._pack_dtype), found
+        scale = self._scale_reads.value(self.scaler) if self._reads_free else torch_access.live_scale(self.scaler)
+        return (pack_scalars(self, scale, found),)
 
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -502,14 +503,16 @@ class Watch:
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.scaler is None:
-            self.end_step(None, None)
+            self.end_step()
 
     # -- step end -----------------------------------------------------------------------------------
-    def end_step(self, scale: Optional[torch.Tensor], found: Optional[torch.Tensor]) -> None:
+    def end_step(self, scalars: Optional[StepScalars] = None) -> None:
+        """Close the step: hand its pack to the writer. ``scalars``: packed before ``update()``
+        (:meth:`before_update`); None packs them now, without a scale."""
         now = time.time()
         if self._trigger is not None:
             self._trigger.step_ended(bool(self.state.scale_calls or self.state.stepped))
-        pack = pack_step(self, scale, found, now)
+        pack = pack_step(self, scalars if scalars is not None else pack_scalars(self, None, None), now)
         if self.fp8 is not None and self.fp8.armed:  # a layer_every step: its fp8 values, disarmed
             pack.fp8 = self.fp8.take(self.step)
         self.writer.put_step(pack)
