@@ -206,3 +206,58 @@ def test_two_watched_models_each_take_their_own_clips_norms(tmp_path, monkeypatc
             assert got == pytest.approx(want, rel=1e-5)
     # each watch mapped its own model's clip once (step 1, the first clip it takes), never the other's
     assert sorted(mapped) == ["m0", "m1"]
+
+
+def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_path, monkeypatch):
+    """On the accelerator path, what ampwatch adds to a healthy clipping step between layer_every
+    steps is the step pack: one ``cat`` of loss, scale and the clip's norms (packed before
+    ``scaler.update()``, so the scale needs no copy of its own). Ops that launch nothing (views,
+    allocations, ``detach``) are left out, as ``bench/ops.py`` leaves them out."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    free = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            schema = func._schema
+            view = any(r.alias_info is not None for r in schema.returns) and not any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            name = func.overloadpacket.__name__
+            if not view and name not in free:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops_per_step(attach: bool) -> list[Counter]:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu")
+        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"ops{attach}.sqlite"),
+                                layer_every=100) if attach else None
+        counts = []
+        for i in range(4):
+            x, y = data(i)
+            with Ops() as mode:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            counts.append(mode.ops)
+        if watch is not None:
+            watch.close()
+        return counts
+
+    plain, watched = ops_per_step(False), ops_per_step(True)
+    for step in (2, 3):  # step 0 is a layer_every step; step 1 learned that the loop clips
+        assert watched[step] - plain[step] == Counter({"cat": 1})
+        assert plain[step] - watched[step] == Counter()
