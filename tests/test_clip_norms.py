@@ -208,17 +208,21 @@ def test_two_watched_models_each_take_their_own_clips_norms(tmp_path, monkeypatc
     assert sorted(mapped) == ["m0", "m1"]
 
 
-def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_path, monkeypatch, fused):
     """On the accelerator path, what ampwatch adds to a healthy clipping step between layer_every
     steps is the step pack: one ``cat`` of loss, scale and the clip's norms (packed before
-    ``scaler.update()``, so the scale needs no copy of its own). Ops that launch nothing (views,
-    allocations, ``detach``) are left out, as ``bench/ops.py`` leaves them out."""
+    ``scaler.update()``, so the scale needs no copy of its own), with a fused optimizer the
+    scaler's inf flag too (read as it is: one device, one flag, nothing summed). Ops that launch
+    nothing (views, allocations, ``detach``, the flag's read) are left out, as ``bench/ops.py``
+    leaves them out."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
-    free = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh"}
+    free = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh",
+            "_local_scalar_dense"}
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -236,7 +240,7 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
 
     def ops_per_step(attach: bool) -> list[Counter]:
         model = mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
         scaler = torch.amp.GradScaler("cpu")
         watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"ops{attach}.sqlite"),
                                 layer_every=100) if attach else None

@@ -118,13 +118,16 @@ def inverse_scale(scaler: Any, reads_free: Optional[bool] = None,
 
 
 def found_inf(scaler: Any, optimizer: Any) -> Optional[torch.Tensor]:
-    """Sum of the scaler's per-device inf flags for ``optimizer`` (between step() and update()). No sync."""
+    """Sum of the scaler's per-device inf flags for ``optimizer`` (between step() and update()), a
+    0-d float32 tensor. No sync."""
     states = getattr(scaler, "_per_optimizer_states", None)
     if not states or id(optimizer) not in states:
         return None
     flags = list(states[id(optimizer)].get("found_inf_per_device", {}).values())
     if not flags:
         return None
+    if len(flags) == 1:  # one device, the usual case: the scaler's own flag (nothing changes it
+        return flags[0].reshape(())  # in place before update()), with no op a step
     device = flags[0].device
     return torch.stack([f.to(device, non_blocking=True).reshape(()) for f in flags]).sum()
 
