@@ -354,7 +354,7 @@ def _bf16_run(path, fault_step, watched):
     return losses, [prm.detach().clone() for prm in model.parameters()]
 
 
-def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path):
+def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path, record_path):
     """bf16 has no skip to replay: the gradient norms are checked before optimizer.step(), and a bad
     step is replayed and localized on its own step, while healthy steps observe nothing."""
     fault = 7

@@ -496,8 +496,11 @@ class Watch:
                    if isinstance(v, torch.Tensor)]
         if not values:
             return
-        # sync point, once per step and only without a scaler: the host must know before the update
-        if not bool(torch.isfinite(torch.cat([v.reshape(-1).to(values[0].device) for v in values])).all()):
+        flat = torch.cat([v.reshape(-1).to(values[0].device) for v in values]) if len(values) > 1 else values[0]
+        # sync point, once per step and only without a scaler: the host must know before the update.
+        # One op: max |x| is NaN or inf exactly when some value is (a sum or an L2 norm could
+        # overflow on finite values), where isfinite().all() took two
+        if not math.isfinite(torch.linalg.vector_norm(flat, math.inf).item()):
             self.grads.measure_detail(None)
             self._replay()
 
