@@ -11,6 +11,8 @@ kernel per ~chunk of tensors). Host reads: ``_local_scalar_dense`` (``.item()``,
     python bench/ops.py --workload gpt --layer-every 1
     python bench/ops.py --free-reads --by-op   # the CPU path instead (host reads are free there), per op
     python bench/ops.py --mirror               # also mirroring to a TensorBoard log folder (attach mirror=)
+    python bench/ops.py --loop fused           # AdamW(fused=True): the skip is in the kernel
+    python bench/ops.py --loop bf16            # bf16 autocast, no GradScaler, the loss through watch.log
 
 On the CPU path an op costs ~15 us of host time inside a training step (a cold dispatcher, against
 ~6 us in a tight loop), so the count matters there too.
@@ -80,25 +82,38 @@ def workload(name: str):
     return model, x, lambda out: F.cross_entropy(out.float().view(-1, vocab), y.reshape(-1))
 
 
-def count(name: str, watched: bool, layer_every: int, steps: int = 3, **options) -> tuple[float, float, int, Counter]:
+LOOPS = {"fp16": "fp16 autocast + GradScaler, AdamW", "fused": "fp16 autocast + GradScaler, AdamW(fused=True)",
+         "bf16": "bf16 autocast, no GradScaler (loss through watch.log), AdamW"}
+
+
+def count(name: str, watched: bool, layer_every: int, steps: int = 3, loop: str = "fp16",
+          **options) -> tuple[float, float, int, Counter]:
     """(ops per step, host reads per step, modules, ops by name) over ``steps`` steps after two
     warm-up steps."""
     model, x, loss_fn = workload(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=loop == "fused")
+    scaler = None if loop == "bf16" else torch.amp.GradScaler("cpu")
     watch = None
     if watched:
         folder = tempfile.mkdtemp()
         watch = ampwatch.attach(model, opt, scaler, path=f"{folder}/run.sqlite", layer_every=layer_every, **options)
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=torch.bfloat16 if scaler is None else torch.float16):
             out = model(x)
-        scaler.scale(loss_fn(out)).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
+        loss = loss_fn(out)
+        if scaler is None:
+            loss.backward()
+            if watch is not None:
+                watch.log(loss=loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
 
     for _ in range(2):
@@ -119,22 +134,23 @@ def main() -> None:
     parser.add_argument("--free-reads", action="store_true", help="count the CPU path (host reads are free)")
     parser.add_argument("--by-op", action="store_true", help="also list the added ops by name")
     parser.add_argument("--mirror", action="store_true", help="also mirror to a TensorBoard log folder")
+    parser.add_argument("--loop", choices=list(LOOPS), default="fp16", help="; ".join(f"{k}: {v}" for k, v in LOOPS.items()))
     args = parser.parse_args()
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     names = ["gpt", "mlp"] if args.workload == "both" else [args.workload]
     settings = [args.layer_every] if args.layer_every else [20, 1]
     path = "CPU path (free host reads)" if FREE_READS else "accelerator path on the CPU (AMPWATCH_CPU_AS_ACCELERATOR=1)"
-    print(f"torch {torch.__version__}, {path}")
+    print(f"torch {torch.__version__}, {path}, {LOOPS[args.loop]}, unscale_ + clip_grad_norm_")
     for name in names:
-        base_ops, base_reads, modules, base_by_op = count(name, False, 1)
+        base_ops, base_reads, modules, base_by_op = count(name, False, 1, loop=args.loop)
         print(f"{name}: {modules} modules; the step itself: {base_ops:.0f} ops, {base_reads:.0f} host reads")
         mirror = {"mirror": tempfile.mkdtemp()} if args.mirror else {}
         for every, options in [(e, dict(o, **mirror)) for e in settings for o in ({}, {"replay": False})]:
             # steps 2..4 of the run: with layer_every=20 none is a detail step (step 0 is), so at
             # the defaults no module is observed (a skipped step would be replayed); replay=False
             # observes every module on every step, as every step does at layer_every=1
-            ops, reads, _, by_op = count(name, True, every, **options)
+            ops, reads, _, by_op = count(name, True, every, loop=args.loop, **options)
             label = f"layer_every={every}" + (", replay=False" if "replay" in options else "") + \
                 (", mirror" if "mirror" in options else "")
             print(f"  {label:<30} ampwatch adds {ops - base_ops:.0f} ops/step, "
