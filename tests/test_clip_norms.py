@@ -208,21 +208,21 @@ def test_two_watched_models_each_take_their_own_clips_norms(tmp_path, monkeypatc
     assert sorted(mapped) == ["m0", "m1"]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
-def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_path, monkeypatch, fused):
+@pytest.mark.parametrize("loop", ["fp16", "fp16-fused", "bf16"])
+def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_path, monkeypatch, loop):
     """On the accelerator path, what ampwatch adds to a healthy clipping step between layer_every
     steps is the step pack: one ``cat`` of loss, scale and the clip's norms (packed before
     ``scaler.update()``, so the scale needs no copy of its own), with a fused optimizer the
-    scaler's inf flag too (read as it is: one device, one flag, nothing summed). Ops that launch
-    nothing (views, allocations, ``detach``, the flag's read) are left out, as ``bench/ops.py``
-    leaves them out."""
+    scaler's inf flag too (read as it is: one device, one flag, nothing summed). Without a scaler
+    (bf16) the same pack is made before ``optimizer.step()`` and one reduction of it tells the host
+    whether the step must be replayed. Ops that launch nothing (views, allocations, ``detach``,
+    host reads) are left out, as ``bench/ops.py`` leaves them out; host reads are counted apart."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
-    free = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh",
-            "_local_scalar_dense"}
+    free = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh"}
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -240,21 +240,28 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
 
     def ops_per_step(attach: bool) -> list[Counter]:
         model = mlp()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-        scaler = torch.amp.GradScaler("cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=loop == "fp16-fused")
+        scaler = None if loop == "bf16" else torch.amp.GradScaler("cpu")
         watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"ops{attach}.sqlite"),
                                 layer_every=100) if attach else None
         counts = []
         for i in range(4):
             x, y = data(i)
             with Ops() as mode:
-                with torch.autocast("cpu", dtype=torch.float16):
+                with torch.autocast("cpu", dtype=torch.bfloat16 if scaler is None else torch.float16):
                     loss = torch.nn.functional.mse_loss(model(x).float(), y)
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                scaler.step(opt)
-                scaler.update()
+                if scaler is None:
+                    loss.backward()
+                    if watch is not None:
+                        watch.log(loss=loss)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(opt)
+                    scaler.update()
                 opt.zero_grad(set_to_none=True)
             counts.append(mode.ops)
         if watch is not None:
@@ -262,6 +269,8 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
         return counts
 
     plain, watched = ops_per_step(False), ops_per_step(True)
+    added = {"fp16": Counter({"cat": 1}), "fp16-fused": Counter({"cat": 1, "_local_scalar_dense": 1}),
+             "bf16": Counter({"cat": 1, "linalg_vector_norm": 1, "_local_scalar_dense": 1})}[loop]
     for step in (2, 3):  # step 0 is a layer_every step; step 1 learned that the loop clips
-        assert watched[step] - plain[step] == Counter({"cat": 1})
+        assert watched[step] - plain[step] == added
         assert plain[step] - watched[step] == Counter()

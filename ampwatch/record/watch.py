@@ -104,6 +104,7 @@ class Watch:
         self._fused = torch_access.steps_inside_kernel(self.optimizer)
         self._fused_inv_scale: Any = None  # a fused step's 1/scale, for the detail of a skipped step
         self._fused_found: Optional[torch.Tensor] = None  # this step's summed inf flags, once read
+        self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
         self.step = 0
@@ -467,7 +468,7 @@ class Watch:
         if not self.state.scaler_stepped:
             return None
         if not torch_access.scaler_enabled(self.scaler):
-            return (None,)
+            return (self._take_early_scalars(),)
         # the scale this step's grads carried, and with fused optimizers the inf flags: device
         # tensors, copied into the pack by its one cat, no sync
         found = None
@@ -481,6 +482,7 @@ class Watch:
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.state.stepped = True
+        self._early_scalars = None
         self.grads.measure(self._detail_step())
         if (self.replayer is not None and not self.observer.observing
                 and not (self.scaler is not None and torch_access.scaler_enabled(self.scaler))):
@@ -491,22 +493,35 @@ class Watch:
         """Without a GradScaler nothing skips a bad step: its update is about to happen. Before it
         does (the weights are still the ones the step ran with), a non-finite gradient norm or
         logged loss has the step replayed, observed, as a skipped one would be."""
-        values = [self.grads.norms] if isinstance(self.grads.norms, torch.Tensor) else []
-        values += [v.detach().reshape(-1).float() for v in self.state.logged_losses[-1:]
-                   if isinstance(v, torch.Tensor)]
-        if not values:
-            return
-        flat = torch.cat([v.reshape(-1).to(values[0].device) for v in values]) if len(values) > 1 else values[0]
+        scalars, flat = None, None
+        if isinstance(self.grads.norms, torch.Tensor) and not self._reads_free:
+            # the step's pack, made now (nothing it holds changes before the step ends): its loss
+            # and norms lie first and together, and the check reads them there, one op for both
+            scalars = pack_scalars(self, None, None)
+            offset, n = scalars.layout["norms"]
+            flat = scalars.device.view(scalars.dtype)[:offset + n]
+        else:
+            values = [v.detach().reshape(-1).float() for v in self.state.logged_losses[-1:]
+                      if isinstance(v, torch.Tensor)]
+            if not values:
+                return
+            flat = values[0]
         # sync point, once per step and only without a scaler: the host must know before the update.
         # One op: max |x| is NaN or inf exactly when some value is (a sum or an L2 norm could
         # overflow on finite values), where isfinite().all() took two
         if not math.isfinite(torch.linalg.vector_norm(flat, math.inf).item()):
-            self.grads.measure_detail(None)
+            self.grads.measure_detail(None)  # packed again at the step's end, with the detail
             self._replay()
+        else:
+            self._early_scalars = scalars
+
+    def _take_early_scalars(self) -> Optional[StepScalars]:
+        scalars, self._early_scalars = self._early_scalars, None
+        return scalars
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.scaler is None:
-            self.end_step()
+            self.end_step(self._take_early_scalars())
 
     # -- step end -----------------------------------------------------------------------------------
     def end_step(self, scalars: Optional[StepScalars] = None) -> None:
