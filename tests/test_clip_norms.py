@@ -104,6 +104,26 @@ def test_a_clip_that_raises_leaves_torch_as_it_was(tmp_path):
         assert torch.stack is torch._C._VariableFunctions.stack
 
 
+def _clipping_step(model, opt, scaler, x, y, watch=None) -> None:
+    """One step of the loop that clips: fp16 + GradScaler (unscale_ first), or, without a scaler,
+    bf16 with the loss through ``watch.log``."""
+    with torch.autocast("cpu", dtype=torch.bfloat16 if scaler is None else torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    if scaler is None:
+        loss.backward()
+        if watch is not None:
+            watch.log(loss=loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
 def test_a_clipping_loop_measures_no_norm_of_its_own_between_layer_every_steps(tmp_path, monkeypatch):
     """On the accelerator path a healthy step between layer_every steps runs one foreach norm over
     the gradients, the clip's own; the same loop without ampwatch runs the same one."""
@@ -119,14 +139,7 @@ def test_a_clipping_loop_measures_no_norm_of_its_own_between_layer_every_steps(t
         for i in range(4):
             x, y = data(i)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
+                _clipping_step(model, opt, scaler, x, y)
             counts.append(sum(e.count for e in prof.key_averages() if e.key == "aten::_foreach_norm"))
         if watch is not None:
             watch.close()
@@ -215,8 +228,8 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
     ``scaler.update()``, so the scale needs no copy of its own), with a fused optimizer the
     scaler's inf flag too (read as it is: one device, one flag, nothing summed). Without a scaler
     (bf16) the same pack is made before ``optimizer.step()`` and one reduction of it tells the host
-    whether the step must be replayed. Ops that launch nothing (views, allocations, ``detach``,
-    host reads) are left out, as ``bench/ops.py`` leaves them out; host reads are counted apart."""
+    whether the step must be replayed. Ops that launch nothing (views, allocations, ``detach``)
+    are left out, as ``bench/ops.py`` leaves them out; a host read counts as ``_local_scalar_dense``."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -248,21 +261,7 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
         for i in range(4):
             x, y = data(i)
             with Ops() as mode:
-                with torch.autocast("cpu", dtype=torch.bfloat16 if scaler is None else torch.float16):
-                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
-                if scaler is None:
-                    loss.backward()
-                    if watch is not None:
-                        watch.log(loss=loss)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                else:
-                    scaler.scale(loss).backward()
-                    scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    scaler.step(opt)
-                    scaler.update()
-                opt.zero_grad(set_to_none=True)
+                _clipping_step(model, opt, scaler, x, y, watch)
             counts.append(mode.ops)
         if watch is not None:
             watch.close()
