@@ -147,7 +147,7 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
         n = t.numel() if isinstance(t, torch.Tensor) else len(t) if isinstance(t, list) else 1
         layout[key] = (offset, n)
         offset += n
-    device = None
+    device, values = None, None
     if watch._reads_free:
         values = _host_values(segments)
     elif segments:
@@ -161,7 +161,7 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
         else:  # one op: cat converts every segment into the pack dtype as it copies
             device = torch.cat(tensors, out=torch.empty(offset, dtype=dt, device=dev)).view(torch.uint8)
     return StepScalars(layout, host_metrics, offset * dt.itemsize, dt, scaled=scale is not None,
-                       device=device, values=values if watch._reads_free else None)
+                       device=device, values=values)
 
 
 def pack_step(watch: Any, scalars: StepScalars, now: float) -> StepPack:
