@@ -153,6 +153,45 @@ def test_a_clipping_loop_measures_no_norm_of_its_own_between_layer_every_steps(t
     assert watched[1:] == plain[1:]
 
 
+@pytest.mark.parametrize("clips", [True, False])
+def test_a_clipping_loop_queues_nothing_at_backward_end_and_still_counts_micro_batches(tmp_path, monkeypatch, clips):
+    """Once the clip hands the recorder its norms, the end of a backward pass has nothing to do: each
+    pass costs the parameter trigger's one call, with no callback queued on the autograd engine, and
+    every micro-batch is still counted. A loop that does not clip has its norms measured at each
+    pass's end, as before."""
+    from ampwatch.record import torch_access
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    queued = []
+    real = torch_access.at_backward_end
+    monkeypatch.setattr(torch_access, "at_backward_end", lambda callback: (queued.append(1), real(callback)))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=100)
+    per_step, truth = [], []
+    for i in range(4):
+        queued.clear()
+        for k in range(3):
+            x, y = data(10 * i + k)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y) / 3
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        truth.append(math.sqrt(sum(float(p.grad.double().norm()) ** 2 for p in model.parameters())))
+        if clips:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        per_step.append(len(queued))
+    watch.close()
+    run = ampwatch.load(watch.path)
+    assert list(run.steps.micro_batches) == [3, 3, 3, 3]
+    assert list(run.steps.grad_norm) == pytest.approx(truth, rel=1e-5)
+    # step 0 learns that the loop clips; from step 1 on its passes queue nothing, unless it does not clip
+    assert per_step == ([3, 0, 0, 0] if clips else [3, 3, 3, 3])
+
+
 def test_a_clip_inside_a_compiled_function_breaks_no_graph(tmp_path, record_path):
     """Under torch.compile the wrappers step aside (a listener's call would break the graph):
     the norms are then measured by the recorder itself, and are still the pre-clip ones."""

@@ -16,7 +16,9 @@ With plain parameters the second trigger alone is usually enough, and it costs n
 (it is registered once), while the first registers a gradient hook at every forward (~25 us of host
 time with its call in backward). So after a step in which the parameter trigger fired, the output
 trigger rests (:meth:`BackwardEnd.step_ended`); after a step with a backward that no trigger saw
-(that step's gradients are then measured when the optimizer steps), it is back on for good.
+(that step's gradients are then measured when the optimizer steps), it is back on for good. And
+while the recorder needs no end (``ends_needed``: the user's clip hands it the gradient norms), a
+pass costs the parameter trigger's one call: ``started()`` and nothing queued.
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ class BackwardEnd:
         self._fired = False        # a pass was seen this step
         self._param_fired = False  # ... by the parameter trigger
         self._sure = False         # the output trigger stays on for good
+        # whether ``ended()`` has work this step: the recorder says no while the user's clip hands
+        # it the step's gradient norms (watch.py), and a pass heard by the parameter trigger alone
+        # then costs one call (no pass id read, no callback queued on the engine)
+        self.ends_needed = True
         # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would make a
         # graph of this one: kept eager (it sees real output tensors)
         self.handles: list[Any] = [model.register_forward_hook(ours(torch._dynamo.disable(self._on_output)))]
@@ -99,6 +105,12 @@ class BackwardEnd:
 
     def _fire(self, *_: Any) -> None:
         if not self._active:
+            return
+        if not (self.by_output or self.ends_needed):
+            # the parameter trigger alone is on: it fires once per pass (a leaf accumulates once),
+            # so there is nothing to deduplicate, and no end to wait for
+            self._fired = True
+            self._started()
             return
         current = torch_access.backward_pass_id()
         if self._queued is not None and (current == -1 or current == self._queued):

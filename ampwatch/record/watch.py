@@ -541,6 +541,8 @@ class Watch:
             self.fp8.arm()
         self._clip_norms_expected = self._clip_norms_taken and not self._clip_norms_refused
         self._clip_norms_taken = False
+        if self._trigger is not None:  # _on_backward_end has nothing to do while the clip hands the norms
+            self._trigger.ends_needed = not self._clip_norms_expected
         if self.replayer is not None:  # module values measured live on layer_every steps only
             self.replayer.clear()
             self.observer.set_observing(self._detail_step())
