@@ -367,3 +367,19 @@ def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path, rec
     assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
     assert set(run.modules["step"]) == {0, 5, 10, fault}  # observed: layer_every steps and the bad one
     assert "replay-not-reproduced" not in set(run.notices["code"])
+
+
+def test_the_root_hooks_list_of_tensors_is_the_nested_walk_in_the_same_order():
+    """The replay's root hooks find a forward's tensors with a list walk (no generator per level):
+    the same tensors, in the same order and to the same depth, as the walk the module hooks use."""
+    from collections import OrderedDict
+    from ampwatch.record import torch_access
+    t = [torch.full((1,), float(i)) for i in range(8)]
+    cases = [t[0], (t[0], [t[1], {"a": t[2], "b": (t[3],)}], None, 3, "s"),
+             OrderedDict(logits=t[4], past=((t[5], t[6]),)), ((((t[7],),),),), [], {"k": None}]
+    for case in cases:
+        walked = list(torch_access.nested_tensors(case))
+        listed = torch_access.tensors_in(case)
+        assert [id(x) for x in listed] == [id(x) for x in walked]
+    assert torch_access.tensors_in(((((t[7],),),),)) == []  # deeper than three levels: left out, as before
+    assert len(torch_access.tensors_in(cases[1])) == 3  # t[3] sits four levels down

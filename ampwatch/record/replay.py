@@ -38,7 +38,6 @@ from typing import Any, Optional
 import torch
 
 from . import torch_access
-from .backward import grad_outputs_of as backward_outputs
 from .copies import ours
 from .observe import add_grad_hook
 
@@ -78,14 +77,18 @@ class _MicroBatch:
 
 
 def _arg_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    return [t for t in torch_access.nested_tensors(args)] + [t for t in torch_access.nested_tensors(kwargs)]
+    tensors = torch_access.tensors_in(args)
+    return tensors + torch_access.tensors_in(kwargs) if kwargs else tensors
 
 
 def _grad_outputs(output: Any) -> list[torch.Tensor]:
     """The root's output tensors that carry gradient (as the backward-end trigger finds them),
     each once, in a fixed order."""
+    outputs = [t for t in torch_access.tensors_in(output) if t.requires_grad and t.grad_fn is not None]
+    if len(outputs) < 2:
+        return outputs
     seen: set[int] = set()
-    return [t for t in backward_outputs(output) if not (id(t) in seen or seen.add(id(t)))]
+    return [t for t in outputs if not (id(t) in seen or seen.add(id(t)))]
 
 
 def _internal(outputs: list[torch.Tensor]) -> set[int]:

@@ -363,6 +363,30 @@ def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch
     return rows.to(out_device, dtype, non_blocking=True)
 
 
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """:func:`nested_tensors` as a list, in the same order, without a generator frame per level:
+    for eager hooks that run on every forward (the replay's root hooks)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    found: list[torch.Tensor] = []
+    _collect(obj, found, 0)
+    return found
+
+
+def _collect(obj: Any, found: list, depth: int) -> None:
+    if isinstance(obj, (tuple, list)):
+        items: Any = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    else:
+        return
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif depth < 2 and isinstance(item, (tuple, list, dict)):
+            _collect(item, found, depth + 1)
+
+
 def nested_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Every tensor inside a module's inputs or outputs: a tensor, or tuples, lists and dicts of
     them (HF's ModelOutput is a dict) up to three levels deep."""
