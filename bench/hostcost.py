@@ -21,6 +21,12 @@ variant runs ``--copies`` copies (default 2; a round runs a block of each) and i
 mean, and a second, independent set of base copies (``base again``) shows what that spread still
 leaves: a ratio is only as good as ``base again``'s distance from 1.
 
+Compiled, the base copies are what a user without ampwatch runs: their graphs are traced under
+torch's default guards and cached apart from the watched copies' (their class's ``forward`` runs under
+a code object of its own). An attach turns on Dynamo's guards on module hooks for the whole process
+(docs/localization.md), so base copies compiled beside watched ones would otherwise pay those
+guards too (~50 us a call on this tree, ``bench/guards.py``) and the table would leave them out.
+
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
 
@@ -41,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 PATH_ARG = "cpu" if "--path" in sys.argv and sys.argv[sys.argv.index("--path") + 1] == "cpu" else "accelerator"
@@ -54,15 +61,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ampwatch  # noqa: E402
 
 
-def model_and_batch(seq: int = 16):
+def model_and_batch(seq: int = 16, own_code: bool = False):
+    """GPT-2 small's module tree with tiny widths, and a batch. ``own_code``: an instance of a
+    subclass whose ``forward`` runs the same code under a code object of its own (Dynamo caches
+    graphs, and checks their guards, per code object: such a copy never shares them with others)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     config = GPT2Config(n_embd=48, n_head=12, n_positions=64, vocab_size=256,  # GPT-2 small's 12 layers
                         bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
+    model = (_with_own_code(GPT2LMHeadModel) if own_code else GPT2LMHeadModel)(config)
     model.train()
     x = torch.randint(0, config.vocab_size, (1, seq))
     return model, x
+
+
+def _with_own_code(cls: type) -> type:
+    forward = cls.forward
+    own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                             forward.__defaults__, forward.__closure__)
+    own.__kwdefaults__ = forward.__kwdefaults__
+    return type(cls.__name__, (cls,), {"forward": own, "__module__": cls.__module__})
 
 
 def hook_floor(model: torch.nn.Module) -> None:
@@ -115,7 +133,9 @@ class Variant:
     """One copy of the model, ampwatch attached once (or not), compiled or eager."""
 
     def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool, clip: bool = True) -> None:
-        self.model, x = model_and_batch()
+        # compiled base copies: torch's default guards, a cache of their own (see the module docstring)
+        self.unwatched = backend is not None and options is None
+        self.model, x = model_and_batch(own_code=self.unwatched)
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         scaler = None if bf16 else torch.amp.GradScaler("cpu")
         self.watch = None
@@ -125,6 +145,15 @@ class Variant:
             self.watch = ampwatch.attach(self.model, opt, scaler, path=f"{folder}/{name}.sqlite", **options)
         net = torch.compile(self.model, backend=backend) if backend else self.model
         self.step = make_step(self.model, net, x, opt, scaler, self.watch, clip)
+
+    def compile_steps(self, n: int) -> None:
+        """The first steps, which compile: an unwatched copy under torch's default guards (an attach
+        turned on the hook guards process-wide; guards are built when a graph is compiled)."""
+        if self.unwatched:
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+                self.block(n)
+        else:
+            self.block(n)
 
     def block(self, n: int) -> tuple[list[float], list[bool]]:
         """n steps: their times, and whether each observed modules (a layer_every step)."""
@@ -209,7 +238,7 @@ def main() -> None:
                 for name, options in specs}
     for copies in variants.values():
         for v in copies:
-            v.block(3)  # compiles (both graphs: the first steps observe), learns, warms up
+            v.compile_steps(3)  # compiles (both graphs: the first steps observe), learns, warms up
             v.block(every - 3)  # blocks start on a layer_every step from here on
     mean: dict[str, list[float]] = {name: [] for name in variants}
     between: dict[str, list[float]] = {name: [] for name in variants}

@@ -1,0 +1,138 @@
+"""What Dynamo's guards cost per call of a compiled model, with and without ampwatch.
+
+Before it runs a compiled graph, Dynamo checks the graph's guards: that the model, its modules,
+their flags and the inputs are still what the graph was traced for. ampwatch adds to them: it turns
+on torch's guards on module hooks (``skip_nnmodule_hook_guards = False``: without them a graph
+traced for an unwatched twin of the model's class could run for the watched model, or the graph of
+a step between observed ones on an observed step; see docs/localization.md), and a graph it traced
+with hooks in checks the hooks too. This is process-wide: every model compiled after an attach
+checks its hooks, and so do ``bench/hostcost.py``'s base copies, which run in the same process as
+the watched ones; its compiled rows therefore leave this cost out.
+
+Measured here on GPT-2 small's module tree (``bench/hostcost.py``'s model) by timing the guard check
+of the compiled forward itself (``guard_manager.check`` on the frame's own locals, the call Dynamo
+makes before every run of the graph), median of many, for: an unwatched model under torch's
+default guards, the same with hook guards on, and a watched model's two graphs (the one between
+observed steps, and the observed one). Dynamo builds the guards, not the backend: ``aot_eager``
+compiles fastest and checks the same guards as inductor.
+
+    python bench/guards.py
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # before ampwatch is imported
+
+import torch  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ampwatch  # noqa: E402
+from hostcost import model_and_batch  # noqa: E402
+
+
+def frame_locals(model: torch.nn.Module, x: torch.Tensor, code) -> dict:
+    """The locals ``code`` (the compiled frame) starts with when the model is called on ``x``:
+    caught from an eager call, as Dynamo hands them to the guards."""
+    caught: dict = {}
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code and not caught:
+            caught.update(frame.f_locals)
+    sys.setprofile(profile)
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x, use_cache=False)
+    finally:
+        sys.setprofile(None)
+    return caught
+
+
+def check_time(entry, f_locals: dict, n: int = 400) -> float:
+    """Median microseconds of one guard check (``n`` checks, in runs of 20), which must pass."""
+    manager = entry.guard_manager
+    with torch.autocast("cpu", dtype=torch.float16):  # the state the graph was traced under
+        if not manager.check(f_locals):
+            raise RuntimeError("the guards do not pass for these locals: not the graph this call runs")
+        runs = []
+        for _ in range(n // 20):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                manager.check(f_locals)
+            runs.append((time.perf_counter() - t0) / 20)
+    return statistics.median(runs) * 1e6
+
+
+def train(net, model, x, opt, scaler, steps: int) -> None:
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = net(x, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+
+def passing_entry(code, f_locals: dict):
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    with torch.autocast("cpu", dtype=torch.float16):
+        return next(e for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(f_locals))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    logging.getLogger("ampwatch").setLevel(logging.WARNING)
+    rows = []
+
+    def unwatched(label: str) -> None:
+        model, x = model_and_batch()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        net = torch.compile(model, backend="aot_eager")
+        train(net, model, x, opt, torch.amp.GradScaler("cpu"), 2)
+        code = type(model).forward.__code__
+        f_locals = frame_locals(model, x, code)
+        rows.append((label, check_time(passing_entry(code, f_locals), f_locals)))
+
+    unwatched("unwatched, torch's default guards")
+    torch._dynamo.reset()
+    torch._dynamo.config.skip_nnmodule_hook_guards = False  # what attach sets for the process
+    unwatched("unwatched, hook guards on (after any attach in the process)")
+    torch._dynamo.reset()
+
+    model, x = model_and_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    every = 4
+    watch = ampwatch.attach(model, opt, scaler, path=f"{tempfile.mkdtemp()}/run.sqlite", layer_every=every)
+    net = torch.compile(model, backend="aot_eager")
+    train(net, model, x, opt, scaler, every + 1)  # both graphs compiled; the next step observes nothing
+    code = type(model).forward.__code__
+    f_locals = frame_locals(model, x, code)  # eager call of the model: between observed steps, no hook runs
+    rows.append(("watched, a step between observed ones", check_time(passing_entry(code, f_locals), f_locals)))
+    watch.observer.set_observing(True)  # the hooks in, as on a layer_every step
+    rows.append(("watched, an observed step", check_time(passing_entry(code, f_locals), f_locals)))
+    watch.observer.set_observing(False)
+    watch.close()
+
+    modules = len(list(model.modules()))
+    print(f"\n## Dynamo guard check per call of the compiled forward, GPT-2 small's tree ({modules} modules), "
+          f"torch {torch.__version__}, 1 thread\n")
+    print("| graph | us per call |")
+    print("|---|---|")
+    for label, us in rows:
+        print(f"| {label} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
