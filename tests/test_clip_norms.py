@@ -260,7 +260,7 @@ def test_two_watched_models_each_take_their_own_clips_norms(tmp_path, monkeypatc
     assert sorted(mapped) == ["m0", "m1"]
 
 
-@pytest.mark.parametrize("loop", ["fp16", "fp16-fused", "bf16"])
+@pytest.mark.parametrize("loop", ["fp16", "fp16-fused", "bf16", "fp16-tensor-lr"])
 def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_path, monkeypatch, loop):
     """On the accelerator path, what ampwatch adds to a healthy clipping step between layer_every
     steps is the step pack: one ``cat`` of loss, scale and the clip's norms (packed before
@@ -268,7 +268,9 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
     scaler's inf flag too (read as it is: one device, one flag, nothing summed). Without a scaler
     (bf16) the same pack is made before ``optimizer.step()`` and one reduction of it tells the host
     whether the step must be replayed. Ops that launch nothing (views, allocations, ``detach``)
-    are left out, as ``bench/ops.py`` leaves them out; a host read counts as ``_local_scalar_dense``."""
+    are left out, as ``bench/ops.py`` leaves them out; a host read counts as ``_local_scalar_dense``.
+    A learning rate given as a tensor (compiled or capturable optimizer steps) joins the pack: no
+    read of it."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -292,7 +294,8 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
 
     def ops_per_step(attach: bool) -> list[Counter]:
         model = mlp()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=loop == "fp16-fused")
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3) if loop == "fp16-tensor-lr" else 1e-3,
+                                fused=loop == "fp16-fused")
         scaler = None if loop == "bf16" else torch.amp.GradScaler("cpu")
         watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"ops{attach}.sqlite"),
                                 layer_every=100) if attach else None
@@ -307,7 +310,7 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
         return counts
 
     plain, watched = ops_per_step(False), ops_per_step(True)
-    added = {"fp16": Counter({"cat": 1}), "fp16-fused": Counter({"cat": 1, "_local_scalar_dense": 1}),
+    added = {"fp16": Counter({"cat": 1}), "fp16-tensor-lr": Counter({"cat": 1}), "fp16-fused": Counter({"cat": 1, "_local_scalar_dense": 1}),
              "bf16": Counter({"cat": 1, "linalg_vector_norm": 1, "_local_scalar_dense": 1})}[loop]
     for step in (2, 3):  # step 0 is a layer_every step; step 1 learned that the loop clips
         assert watched[step] - plain[step] == added

@@ -165,6 +165,25 @@ def test_param_groups_frozen_params_and_zero_grad_to_zero(tmp_path):
     assert run.info["param_count"] == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("kind", ["SGD", "AdamW"])
+def test_a_tensor_learning_rate_is_recorded_as_it_stood_each_step(tmp_path, kind):
+    """torch takes ``lr`` as a tensor (compiled and capturable optimizer steps), and a scheduler then
+    changes it in place. Each row holds the value the step ran with; where reads are not free it
+    travels in the step's pack rather than being read on the host every step."""
+    model = mlp()
+    lr = torch.tensor(0.05)
+    opt = getattr(torch.optim, kind)(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    used = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+        for i in range(6):
+            opt.param_groups[0]["lr"].fill_(0.05 * 0.5 ** i)  # what a scheduler does to a tensor lr
+            used.append(float(opt.param_groups[0]["lr"]))
+            amp_step(model, opt, scaler, *data(i))
+    assert list(ampwatch.load(watch.path).steps["lr"]) == pytest.approx(used, rel=1e-6)
+    assert len(set(used)) == 6
+
+
 def test_layers_every_n_and_on_skipped_steps(tmp_path):
     _, watch, applied = train(30, scaler_factory=storm_scaler, attach=attach_to(tmp_path, layer_every=7), lr=0.5)
     run = ampwatch.load(watch.path)

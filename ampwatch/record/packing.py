@@ -108,7 +108,7 @@ class PackReader:
         if grad_norm is not None and math.isnan(grad_norm):
             nan_mask |= STEP_NAN_BITS["grad_norm"]
         out.steps.append((pack.step, pack.time, pack.duration_s, _nullable(loss), scale, int(skipped),
-                          _nullable(grad_norm), pack.lr, pack.micro_batches, nan_mask))
+                          _nullable(grad_norm), (seg("lr") or [pack.lr])[0], pack.micro_batches, nan_mask))
 
         for key, v in pack.host_metrics.items():
             out.metrics.append((key, pack.step, _nullable(v)))

@@ -1,6 +1,7 @@
 """Step packing: one step's device values into one flat byte tensor, and one transfer.
 
-Layout: the step's scalars (loss, scale, found_inf, grad norms, detail, tensor metrics) in the pack
+Layout: the step's scalars (loss, scale, found_inf, grad norms, detail, tensor metrics, a device
+tensor ``lr``) in the pack
 dtype, then the module stats as they stand at the step's end (the device buffer; on the CPU the host
 doubles of ``hoststats.HostStats``), then (steps of several
 micro-batches only) the per-slot micro-batch marks. On CUDA the copy to the host is
@@ -18,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import grads
+from . import grads, torch_access
 from .packing import StepPack
 
 
@@ -91,7 +92,23 @@ def _scalar_segments(watch: Any, scale: Optional[torch.Tensor], found: Optional[
             segments.append((f"metric:{key}", value.detach().float().reshape(-1)[:1]))
         else:
             host_metrics[key] = float(value)
+    lr = device_lr(watch)
+    if lr is not None:
+        segments.append(("lr", lr))
     return segments
+
+
+def device_lr(watch: Any) -> Optional[torch.Tensor]:
+    """The first param group's learning rate when it is a one-element tensor on a device whose reads
+    sync (torch takes a Tensor ``lr``, e.g. for a compiled or capturable optimizer step): it travels
+    in the pack, as it stood before ``update()``, instead of a ``float()`` that would wait for the
+    device every step. None for a float, or a tensor read for free (on the CPU)."""
+    groups = watch.optimizer.param_groups
+    lr = groups[0].get("lr") if groups else None
+    if (isinstance(lr, torch.Tensor) and lr.numel() == 1 and not lr.is_complex()
+            and not torch_access.reads_are_free(lr.device)):
+        return lr.detach().reshape(1)
+    return None
 
 
 def _host_values(segments: list) -> list[float]:
@@ -122,7 +139,8 @@ def _host_stats(observer: Any) -> tuple[Optional[torch.Tensor], dict]:
 
 @dataclass
 class StepScalars:
-    """The step's scalars (loss, scale, found_inf, gradient norms and detail, tensor metrics), packed
+    """The step's scalars (loss, scale, found_inf, gradient norms and detail, tensor metrics, a device
+    tensor learning rate), packed
     as soon as they are all known: before ``scaler.update()``, which changes the scale in place, so
     the concatenation copies the scaler's own tensor and no snapshot of it is needed (one op a step
     fewer). ``device``: the scalars in the pack dtype as bytes, on the device (one ``cat``), or
@@ -187,6 +205,8 @@ def pack_step(watch: Any, scalars: StepScalars, now: float) -> StepPack:
     if observer is not None and (watch._reads_free or loc["observed"]):
         observer.reset_buffer(first=bool(loc and loc["first"]))  # stream-ordered after the copy above
     lr = watch.optimizer.param_groups[0].get("lr") if watch.optimizer.param_groups else None
+    if isinstance(lr, torch.Tensor) and "lr" in scalars.layout:
+        lr = None  # a device tensor: in the pack (device_lr), read by the writer thread
     return StepPack(
         step=watch.step, time=now, duration_s=now - state.started, lr=None if lr is None else float(lr),
         micro_batches=max(state.backwards, state.scale_calls),
