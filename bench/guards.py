@@ -16,7 +16,14 @@ default guards, the same with hook guards on, and a watched model's two graphs (
 observed steps, and the observed one). Dynamo builds the guards, not the backend: ``aot_eager``
 compiles fastest and checks the same guards as inductor.
 
+A guard check run in a tight loop is the floor: inside a training step, between a forward and
+backward of real work, the same checks find colder caches. ``--in-step`` measures that instead: two
+unwatched copies of the model, each a code object of its own, one compiled under torch's default
+guards and one with the hook guards on, timed forward (the guards and the graph) in interleaved
+training steps.
+
     python bench/guards.py
+    python bench/guards.py --in-step 300
 """
 from __future__ import annotations
 
@@ -90,8 +97,48 @@ def passing_entry(code, f_locals: dict):
         return next(e for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(f_locals))
 
 
+def in_step(steps: int) -> None:
+    """Forward time of two unwatched copies, default guards against hook guards, in training steps."""
+    copies = {}
+    for label, hook_guards in (("torch's default guards", False), ("hook guards on", True),
+                               ("torch's default guards, again", False), ("hook guards on, again", True)):
+        model, x = model_and_batch(own_code=True)  # a cache of its own: guards as compiled here
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        net = torch.compile(model, backend="aot_eager")
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not hook_guards):
+            train(net, model, x, opt, torch.amp.GradScaler("cpu"), 2)  # compiles: guards are built now
+        copies[label] = (net, model, x, opt, torch.amp.GradScaler("cpu"), [])
+    for _ in range(steps):
+        for net, model, x, opt, scaler, times in copies.values():
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = net(x, use_cache=False).logits
+            times.append(time.perf_counter() - t0)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    base = statistics.median(copies["torch's default guards"][-1])
+    print(f"\n## forward of the compiled GPT-2 small tree inside training steps (aot_eager), torch "
+          f"{torch.__version__}, {steps} steps, 1 thread\n")
+    print("| copy | forward ms, median | added |")
+    print("|---|---|---|")
+    for label, entry in copies.items():
+        median = statistics.median(entry[-1])
+        print(f"| {label} | {median * 1e3:.3f} | {(median - base) * 1e3:+.3f} ms |")
+
+
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--in-step", type=int, metavar="STEPS", help="time the forward inside this many "
+                    "training steps instead of the guard check alone")
+    args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.in_step:
+        in_step(args.in_step)
+        return
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     rows = []
 
