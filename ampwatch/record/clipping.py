@@ -121,8 +121,11 @@ def _wrap_total_norm(original: Callable) -> Callable:
             torch._foreach_norm, torch.stack = real_norm, real_stack
             _swap.release()
         if seen:
-            grads = [t for group, _ in seen for t in group]
-            norms = [n for _, out in seen for n in out]
+            if len(seen) == 1:  # one device and dtype, the usual case: torch's own lists, not copies
+                grads, norms = seen[0]
+            else:
+                grads = [t for group, _ in seen for t in group]
+                norms = [n for _, out in seen for n in out]
             # torch stacks the norms to sum them: that vector, when it holds exactly these norms
             vector = next((out for items, out in stacked
                            if len(items) == len(norms) and items[0] is norms[0] and items[-1] is norms[-1]), None)
