@@ -462,3 +462,17 @@ def test_compiled_micro_batches_are_localized_like_eager(tmp_path, monkeypatch):
                                  .itertuples(index=False, name=None))
     assert (4, "<model>", 1) in found[False]
     assert found[True] == found[False]
+
+
+def test_only_module_observation_turns_on_dynamos_hook_guards(tmp_path):
+    """The guards on module hooks are what keep a graph traced without ampwatch's hooks off an
+    observed step; they cost every compiled model of the process a check per module hook dict on
+    every call. Without module observation (localize=False) no graph holds anything of ampwatch's,
+    and torch's default stays."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        with ampwatch.attach(model, opt, None, path=str(tmp_path / "nl.sqlite"), localize=False):
+            assert torch._dynamo.config.skip_nnmodule_hook_guards is True
+        with ampwatch.attach(model, opt, None, path=str(tmp_path / "l.sqlite")):
+            assert torch._dynamo.config.skip_nnmodule_hook_guards is False

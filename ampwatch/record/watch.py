@@ -178,7 +178,12 @@ class Watch:
 
     def _install(self) -> None:
         opt, model = self.optimizer, uncompiled(self.model)
-        guard_module_hooks()
+        if self.observer is not None:
+            # only module observation needs them: its two graphs, and a twin's graph kept from an
+            # observed step. Without it (localize=False) nothing of ampwatch is in any graph, so a
+            # twin's graph may run for the watched model unchanged, and no compiled model of the
+            # process pays them (~50 us a call on GPT-2 small's tree, bench/guards.py)
+            guard_module_hooks()
         if self.observer is not None and forget_graphs_without_hooks(model):
             log.info("the model (or another instance of its class) was compiled before ampwatch attached: "
                      "torch.compile's caches were reset, so its next call is traced with ampwatch's hooks")
