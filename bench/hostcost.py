@@ -21,11 +21,12 @@ variant runs ``--copies`` copies (default 2; a round runs a block of each) and i
 mean, and a second, independent set of base copies (``base again``) shows what that spread still
 leaves: a ratio is only as good as ``base again``'s distance from 1.
 
-Compiled, the base copies are what a user without ampwatch runs: their graphs are traced under
-torch's default guards and cached apart from the watched copies' (their class's ``forward`` runs under
-a code object of its own). An attach turns on Dynamo's guards on module hooks for the whole process
-(docs/localization.md), so base copies compiled beside watched ones would otherwise pay those
-guards too (~50 us a call on this tree, ``bench/guards.py``) and the table would leave them out.
+Compiled, the base copies are what a user without ampwatch runs, and the ``localize=False`` copies
+what a user of that option runs: their graphs are traced under torch's default guards and cached
+apart from the observing copies' (their class's ``forward`` runs under a code object of its own).
+A watch that observes modules turns on Dynamo's guards on module hooks for the whole process
+(docs/localization.md), so copies compiled beside observing ones would otherwise pay those guards
+too (~50 us a call on this tree, ``bench/guards.py``): the base would hide them from the table.
 
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
@@ -133,9 +134,11 @@ class Variant:
     """One copy of the model, ampwatch attached once (or not), compiled or eager."""
 
     def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool, clip: bool = True) -> None:
-        # compiled base copies: torch's default guards, a cache of their own (see the module docstring)
-        self.unwatched = backend is not None and options is None
-        self.model, x = model_and_batch(own_code=self.unwatched)
+        # compiled copies without module observation (the base, localize=False): torch's default
+        # guards, as in a process with no observing watch, and a cache of their own (see the
+        # module docstring)
+        self.default_guards = backend is not None and (options is None or options == {"localize": False})
+        self.model, x = model_and_batch(own_code=self.default_guards)
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         scaler = None if bf16 else torch.amp.GradScaler("cpu")
         self.watch = None
@@ -147,9 +150,10 @@ class Variant:
         self.step = make_step(self.model, net, x, opt, scaler, self.watch, clip)
 
     def compile_steps(self, n: int) -> None:
-        """The first steps, which compile: an unwatched copy under torch's default guards (an attach
-        turned on the hook guards process-wide; guards are built when a graph is compiled)."""
-        if self.unwatched:
+        """The first steps, which compile: a copy without module observation under torch's default
+        guards (an observing watch turned on the hook guards process-wide; guards are built when a
+        graph is compiled)."""
+        if self.default_guards:
             with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
                 self.block(n)
         else:
