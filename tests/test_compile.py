@@ -314,31 +314,42 @@ def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, mon
     assert {"fc1", "act", "fc2", "head"} <= set(rows[rows.phase == "forward"].module)
 
 
-def test_a_model_handed_over_compiled_gets_no_autocast_probe_on_its_children(tmp_path):
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+@pytest.mark.parametrize("handed_compiled", [True, False], ids=["attach-after", "attach-before"])
+def test_a_compiled_model_keeps_no_autocast_probe_on_its_children(tmp_path, how, handed_compiled):
     """Traced into a graph, the autocast probes return at once and learn nothing, and each child's
-    would add its guards to every call of the graph: a model attached after torch.compile gets the
-    root's alone (it runs eagerly, outside the graph), and the run still says which autocast dtype
-    the loop ran. Attached before compiling, the children keep theirs (they may see an autocast
-    entered inside the model's forward while it runs eagerly)."""
+    would add its guards to every call of the graph. A model handed over compiled gets the root's
+    alone (it runs eagerly, outside the graph); one attached before compiling loses its children's
+    at its first compiled call, before the forward is traced, so nothing recompiles. The run still
+    says which autocast dtype the loop ran."""
     from ampwatch.record import copies
+    if handed_compiled and how == "model.compile()":
+        pytest.skip("model.compile() compiles in place: there is no compiled object to hand over")
     torch._dynamo.reset()
+    counters.clear()
 
     def ours(module):
         return [h for h in module._forward_pre_hooks.values() if copies._is_ours(h)]
 
     x = torch.randn(8, 16)
-    for handed_compiled in (True, False):
-        model = Net()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        scaler = torch.amp.GradScaler("cpu")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    net = model
+    if handed_compiled:
         net = torch.compile(model, backend="aot_eager")
-        with ampwatch.attach(net if handed_compiled else model, opt, scaler,
-                             path=str(tmp_path / f"{handed_compiled}.sqlite"), localize=False) as watch:
-            assert len(ours(model)) == 1
-            children = list(model.children())
-            assert [len(ours(child)) for child in children] == [0 if handed_compiled else 1] * len(children)
-            _train(net, (opt, scaler), x, 2)
-        assert ampwatch.load(watch.path).info["amp_dtype"] == "float16"
+    with ampwatch.attach(net, opt, scaler, path=str(tmp_path / "r.sqlite"), localize=False) as watch:
+        children = list(model.children())
+        assert [len(ours(child)) for child in children] == [0 if handed_compiled else 1] * len(children)
+        if not handed_compiled:
+            if how == "model.compile()":
+                model.compile(backend="aot_eager")
+            else:
+                net = torch.compile(model, backend="aot_eager")
+        _train(net, (opt, scaler), x, 3)
+        assert [len(ours(child)) for child in children] == [0] * len(children)
+    assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
+    assert ampwatch.load(watch.path).info["amp_dtype"] == "float16"
 
 
 def test_an_unwatched_instance_of_the_same_class_shares_no_graph_with_the_watched_one(tmp_path):

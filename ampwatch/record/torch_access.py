@@ -363,6 +363,18 @@ def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch
     return rows.to(out_device, dtype, non_blocking=True)
 
 
+def call_is_compiled(module: torch.nn.Module) -> bool:
+    """Whether this call of ``module`` goes through torch.compile: ``torch.compile(module)`` (an
+    OptimizedModule is calling it) or ``module.compile()``. For an eager hook of ``module`` itself,
+    which runs before Dynamo traces the forward. False where torch does not say (a compiled
+    function that calls the module)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    check = getattr(eval_frame, "_is_in_optimized_module", None)
+    return bool(check()) if check is not None else False
+
+
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     """:func:`nested_tensors` as a list, in the same order, without a generator frame per level:
     for eager hooks that run on every forward (the replay's root hooks)."""

@@ -196,7 +196,7 @@ class Watch:
         # over compiled gets the root's alone: traced, a probe returns at once and learns nothing,
         # and each child's would cost its guards on every call (~8 us on GPT-2 small's tree)
         looking = (model,) if uncompiled(self.model) is not self.model else (model, *model.children())
-        probes_ = [copies.ours(_AutocastProbe(self)) for _ in looking]
+        probes_ = [copies.ours(_AutocastProbe(self, root=i == 0)) for i in range(len(looking))]
         self._probes = [m.register_forward_pre_hook(probe) for m, probe in zip(looking, probes_)]
         self._probe_objects = probes_
         self._trigger = BackwardEnd(model, self._params, self.guarded(self._on_backward),
@@ -562,6 +562,11 @@ class Watch:
         self.grads.reset()
         self.state = StepState(now, previous=self.state)
 
+    def _drop_child_probes(self) -> None:
+        for handle in self._probes[1:]:
+            handle.remove()
+        self._probes, self._probe_objects = self._probes[:1], self._probe_objects[:1]
+
     def _remove_probes(self) -> None:
         for handle in self._probes:
             handle.remove()
@@ -637,10 +642,13 @@ class Watch:
 class _AutocastProbe:
     """Forward pre-hook of the first step: which autocast dtype is on. Holds the watch weakly and
     reads no module state, so Dynamo traces it as a no-op when the model is compiled. In eager
-    (every probe counted a call of its own) the watch removes them after the first step."""
+    (every probe counted a call of its own) the watch removes them after the first step; the
+    root's removes the children's as soon as it sees a compiled call (``torch.compile(model)`` or
+    ``model.compile()``), before the forward is traced."""
 
-    def __init__(self, watch: Watch) -> None:
+    def __init__(self, watch: Watch, root: bool = False) -> None:
         self._watch = weakref.ref(watch)
+        self.root = root
         self.eager_calls = 0  # none: it runs in a compiled graph (or its module did not run)
 
     def __call__(self, module: Any, args: Any) -> None:
@@ -648,7 +656,14 @@ class _AutocastProbe:
             return
         self.eager_calls += 1
         watch = self._watch()
-        if watch is not None and not watch._amp_seen and not watch.step:
+        if watch is None:
+            return
+        if self.root and len(watch._probes) > 1 and torch_access.call_is_compiled(module):
+            # the root's hooks run eagerly, before Dynamo traces the forward: the children's
+            # probes leave now, before they are traced into its graph, where they would learn
+            # nothing and add their guards to every call
+            watch._drop_child_probes()
+        if not watch._amp_seen and not watch.step:
             watch.guarded(watch.on_autocast)()
 
 
