@@ -13,8 +13,8 @@ Measured here on GPT-2 small's module tree (``bench/hostcost.py``'s model) by ti
 of the compiled forward itself (``guard_manager.check`` on the frame's own locals, the call Dynamo
 makes before every run of the graph), median of many, for: an unwatched model under torch's
 default guards, the same with hook guards on, and a watched model's two graphs (the one between
-observed steps, and the observed one), and a model watched with ``localize=False``, alone in its
-process. Dynamo builds the guards, not the backend: ``aot_eager``
+observed steps, and the observed one), and a model watched with ``localize=False``, before any
+observing watch attached. Dynamo builds the guards, not the backend: ``aot_eager``
 compiles fastest and checks the same guards as inductor.
 
 A guard check run in a tight loop is the floor: inside a training step, between a forward and
@@ -153,9 +153,23 @@ def main() -> None:
         rows.append((label, check_time(passing_entry(code, f_locals), f_locals)))
 
     unwatched("unwatched, torch's default guards")
+
+    # a watch that observes no module, before any that does: torch's default guards stay
     torch._dynamo.reset()
-    torch._dynamo.config.skip_nnmodule_hook_guards = False  # what attach sets for the process
-    unwatched("unwatched, hook guards on (after any attach in the process)")
+    model, x = model_and_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = ampwatch.attach(model, opt, scaler, path=f"{tempfile.mkdtemp()}/nl.sqlite", localize=False)
+    net = torch.compile(model, backend="aot_eager")
+    train(net, model, x, opt, scaler, 2)
+    code = type(model).forward.__code__
+    f_locals = frame_locals(model, x, code)
+    rows.append(("watched, localize=False (no module observed)", check_time(passing_entry(code, f_locals), f_locals)))
+    watch.close()
+
+    torch._dynamo.reset()
+    torch._dynamo.config.skip_nnmodule_hook_guards = False  # what an observing watch sets for the process
+    unwatched("unwatched, hook guards on (after an observing watch attached in the process)")
     torch._dynamo.reset()
 
     model, x = model_and_batch()
@@ -173,18 +187,6 @@ def main() -> None:
     watch.observer.set_observing(False)
     watch.close()
 
-    # a process whose only watch observes no module: torch's default guards stay
-    torch._dynamo.reset()
-    torch._dynamo.config.skip_nnmodule_hook_guards = True
-    model, x = model_and_batch()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu")
-    watch = ampwatch.attach(model, opt, scaler, path=f"{tempfile.mkdtemp()}/nl.sqlite", localize=False)
-    net = torch.compile(model, backend="aot_eager")
-    train(net, model, x, opt, scaler, 2)
-    f_locals = frame_locals(model, x, code)
-    rows.append(("watched, localize=False (no module observed)", check_time(passing_entry(code, f_locals), f_locals)))
-    watch.close()
 
     modules = len(list(model.modules()))
     print(f"\n## Dynamo guard check per call of the compiled forward, GPT-2 small's tree ({modules} modules), "
