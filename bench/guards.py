@@ -44,7 +44,7 @@ from torch.nn import functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ampwatch  # noqa: E402
-from hostcost import model_and_batch  # noqa: E402
+from hostcost import make_step, model_and_batch  # noqa: E402
 
 
 def frame_locals(model: torch.nn.Module, x: torch.Tensor, code) -> dict:
@@ -80,16 +80,10 @@ def check_time(entry, f_locals: dict, n: int = 400) -> float:
 
 
 def train(net, model, x, opt, scaler, steps: int) -> None:
+    """``steps`` steps of bench/hostcost.py's loop (fp16, GradScaler, unscale_, clip)."""
+    step = make_step(model, net, x, opt, scaler, None)
     for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.float16):
-            logits = net(x, use_cache=False).logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+        step()
 
 
 def passing_entry(code, f_locals: dict):
