@@ -12,6 +12,12 @@ run pays on average (shorter blocks alternate between blocks with and without on
     python bench/gpu_gpt2.py --modes eager --rounds 10
     python bench/gpu_gpt2.py --replay off     # every module observed on every step (no replay)
     python bench/gpu_gpt2.py --modes reduce-overhead --replay on   # inductor with CUDA graphs
+    python bench/gpu_gpt2.py --fused off,on --replay on            # AdamW(fused=True) too
+
+Compiled, the copy without ampwatch is compiled as its user's process would compile it: under
+torch's default guards (an observing watch turns on Dynamo's guards on module hooks for the
+process; guards are built when a graph is compiled), and as an instance of a subclass with a
+``forward`` of its own, so its graphs sit in a Dynamo cache of their own (hostcost.py does the same).
 """
 from __future__ import annotations
 
@@ -30,14 +36,18 @@ import torch._dynamo
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ampwatch  # noqa: E402
+from own_code import with_own_code  # noqa: E402
 
 
 class Variant:
     def __init__(self, base: torch.nn.Module, watched: bool, compiled: Optional[str], x: torch.Tensor, folder: str,
-                 layer_every: int = 20, replay: bool = True) -> None:
+                 layer_every: int = 20, replay: bool = True, fused: bool = False) -> None:
         self.model = copy.deepcopy(base)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        if compiled and not watched:
+            self.model.__class__ = _own_class(type(base))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         self.scaler = torch.amp.GradScaler("cuda")
         self.watch = ampwatch.attach(self.model, self.opt, self.scaler, path=f"{folder}/run.sqlite",
                                      layer_every=layer_every, replay=replay) if watched else None
@@ -45,7 +55,8 @@ class Variant:
         self.x = x
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        self.step()
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not watched):
+            self.step()
         torch.cuda.synchronize()
         self.first_s = time.perf_counter() - t0
         self.block_ms: list[float] = []
@@ -70,11 +81,24 @@ class Variant:
         return (time.perf_counter() - t0) / steps * 1e3
 
 
+_OWN_CLASSES: dict = {}
+
+
+def _own_class(cls: type) -> type:
+    """One subclass with its own ``forward`` code per base class: the unwatched copies of every
+    configuration share its Dynamo cache (the same graph, as in one user's process)."""
+    if cls not in _OWN_CLASSES:
+        _OWN_CLASSES[cls] = with_own_code(cls)
+    return _OWN_CLASSES[cls]
+
+
 def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], args: argparse.Namespace,
-            layer_every: int, replay: bool = True) -> None:
+            layer_every: int, replay: bool = True, fused: bool = False) -> None:
     folder = tempfile.mkdtemp()
-    plain = Variant(base, False, compiled, x, folder)
-    watched = Variant(base, True, compiled, x, folder, layer_every, replay)
+    # the watched copy first: attaching to a model whose class an earlier configuration compiled
+    # resets Dynamo's caches, which would make the unwatched copy compile again under hook guards
+    watched = Variant(base, True, compiled, x, folder, layer_every, replay, fused)
+    plain = Variant(base, False, compiled, x, folder, fused=fused)
     for v in (plain, watched):
         for _ in range(args.warmup):
             v.step()
@@ -87,6 +111,7 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], arg
         watched.block_ms.append(got[id(watched)])
         ratios.append(got[id(watched)] / got[id(plain)])
     mode = f"torch.compile (inductor, mode {compiled})" if compiled else "eager"
+    mode += ", AdamW(fused=True)" if fused else ""
     print(f"{mode}, layer_every={layer_every}, replay={replay}: without {statistics.median(plain.block_ms):.2f} ms/step, "
           f"with {statistics.median(watched.block_ms):.2f} ms/step, median paired ratio "
           f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}) over "
@@ -117,12 +142,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layer-every", default="20", help="comma-separated layer_every values")
     parser.add_argument("--replay", default="on,off", help="ampwatch's replay option: on, off or on,off")
+    parser.add_argument("--fused", default="off", help="AdamW(fused=True): off, on or off,on")
     args = parser.parse_args()
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
-    # both variants compile the same class: without hook guards (Dynamo's default skips them) the
-    # watched copy would reuse the plain copy's code, hooks left out (ampwatch sets this at attach,
-    # too late for a copy compiled before it)
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config()).cuda()
@@ -133,8 +155,9 @@ def main() -> None:
     for mode in args.modes.split(","):
         for le in (int(v) for v in args.layer_every.split(",")):
             for replay in args.replay.split(","):
-                compiled = None if mode == "eager" else "default" if mode == "compile" else mode
-                measure(base, x, compiled, args, le, replay == "on")
+                for fused in args.fused.split(","):
+                    compiled = None if mode == "eager" else "default" if mode == "compile" else mode
+                    measure(base, x, compiled, args, le, replay == "on", fused == "on")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 PATH_ARG = "cpu" if "--path" in sys.argv and sys.argv[sys.argv.index("--path") + 1] == "cpu" else "accelerator"
@@ -59,7 +58,9 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ampwatch  # noqa: E402
+from own_code import with_own_code  # noqa: E402
 
 
 def model_and_batch(seq: int = 16, own_code: bool = False):
@@ -70,18 +71,10 @@ def model_and_batch(seq: int = 16, own_code: bool = False):
     torch.manual_seed(0)
     config = GPT2Config(n_embd=48, n_head=12, n_positions=64, vocab_size=256,  # GPT-2 small's 12 layers
                         bos_token_id=0, eos_token_id=0)
-    model = (_with_own_code(GPT2LMHeadModel) if own_code else GPT2LMHeadModel)(config)
+    model = (with_own_code(GPT2LMHeadModel) if own_code else GPT2LMHeadModel)(config)
     model.train()
     x = torch.randint(0, config.vocab_size, (1, seq))
     return model, x
-
-
-def _with_own_code(cls: type) -> type:
-    forward = cls.forward
-    own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
-                             forward.__defaults__, forward.__closure__)
-    own.__kwdefaults__ = forward.__kwdefaults__
-    return type(cls.__name__, (cls,), {"forward": own, "__module__": cls.__module__})
 
 
 def hook_floor(model: torch.nn.Module) -> None:

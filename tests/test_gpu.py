@@ -84,3 +84,133 @@ def test_real_fp16_overflow_on_cuda_is_localized(tmp_path, compiled, layer_every
     if layer_every == 1:
         first = run.modules[(run.modules.module == "0") & (run.modules.phase == "forward")]
         assert list(first["step"]) == [0, 1, 2, 3] and first["amax"].nunique() > 1  # not one capture's value
+
+
+def test_fused_adamw_overflow_on_cuda_is_replayed_to_its_module(tmp_path):
+    """A fused AdamW skips inside its kernel: the skip is read from the scaler's inf flag in time to
+    replay the step before update(), so the overflow is localized between layer_every steps too."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    run, _ = _train(tmp_path, model, opt, 4, fault_step=2, layer_every=20)
+    ev = run.events
+    origin = ev[ev.origin & (ev.phase == "forward")]
+    assert set(origin["module"]) == {"2"} and list(origin["step"]) == [2, 3]
+    steps = run.steps.set_index("step")
+    assert steps.loc[[2, 3], "skipped"].all() and not steps.loc[[0, 1], "skipped"].any()
+    assert set(run.modules["step"]) == {0, 2, 3}  # observed: step 0 and the two replays, nothing else
+
+
+def _bf16_cuda_run(path, fault_step, watched):
+    """bf16 autocast on CUDA, no scaler, the loss through watch.log: module 2's output is inf once."""
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    state = {"step": 0}
+    model[2].register_forward_hook(lambda m, i, o: o * float("inf") if state["step"] == fault_step else o)
+    watch = ampwatch.attach(model, opt, None, path=str(path), layer_every=5) if watched else None
+    g = torch.Generator(device="cuda").manual_seed(1)
+    losses = []
+    for i in range(8):
+        state["step"] = i
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(torch.randn(16, 32, device="cuda", generator=g)).float(),
+                              torch.zeros(16, 8, device="cuda"))
+        loss.backward()
+        if watch is not None:
+            watch.log(loss=loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+        if i == fault_step:  # repair the weights the NaN step wrote, so training goes on
+            with torch.no_grad():
+                for prm in model.parameters():
+                    prm.nan_to_num_(0.0)
+    if watch is not None:
+        watch.close()
+    return losses, [prm.detach().clone() for prm in model.parameters()]
+
+
+def test_bf16_nan_on_cuda_is_localized_on_its_own_step_and_training_is_unchanged(tmp_path):
+    fault = 3
+    plain_losses, plain_params = _bf16_cuda_run(tmp_path / "plain.sqlite", fault, watched=False)
+    losses, params = _bf16_cuda_run(tmp_path / "run.sqlite", fault, watched=True)
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    origin = run.events[run.events["origin"]]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
+    assert set(run.modules["step"]) == {0, 5, fault}
+
+
+_SYNCS: dict = {"counting": False, "threads": []}
+
+
+def _count_syncs_from_now_on() -> None:
+    """Every host wait on the GPU (a stream's, an event's or the device's: .item(), a blocking copy
+    to the host, synchronize()) is told to torch's GPU-trace callbacks, on the thread that waits."""
+    if not _SYNCS.get("registered"):
+        import threading
+        from torch.cuda import _gpu_trace
+
+        def seen(*_):
+            if _SYNCS["counting"]:
+                _SYNCS["threads"].append(threading.get_ident())
+        torch._C._activate_gpu_trace()
+        _gpu_trace.register_callback_for_stream_synchronization(seen)
+        _gpu_trace.register_callback_for_event_synchronization(seen)
+        _gpu_trace.register_callback_for_device_synchronization(seen)
+        _SYNCS["registered"] = True
+
+
+def _syncs_per_step(tmp_path, loop, watched, steps=6):
+    """Host waits on the training thread in each of ``steps`` healthy steps (after one warm-up step,
+    with layer_every=20: none of them observes modules)."""
+    import threading
+    _count_syncs_from_now_on()
+    model = _net()
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if loop == "fused"
+           else torch.optim.SGD(model.parameters(), lr=1e-2))
+    scaler = None if loop == "bf16" else torch.amp.GradScaler("cuda")
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{loop}-{watched}.sqlite"),
+                            layer_every=20) if watched else None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    me = threading.get_ident()
+    per_step = []
+    for step in range(steps + 1):
+        x = torch.randn(16, 32, device="cuda", generator=g)
+        y = torch.randn(16, 8, device="cuda", generator=g)
+        _SYNCS["threads"].clear()
+        _SYNCS["counting"] = step > 0
+        with torch.autocast("cuda", dtype=torch.bfloat16 if scaler is None else torch.float16):
+            loss = F.mse_loss(model(x).float(), y)
+        if scaler is None:
+            loss.backward()
+            if watch is not None:
+                watch.log(loss=loss)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        _SYNCS["counting"] = False
+        if step > 0:
+            per_step.append(sum(t == me for t in _SYNCS["threads"]))
+    if watch is not None:
+        watch.close()
+        assert len(ampwatch.load(watch.path).steps) == steps + 1
+    return per_step
+
+
+@pytest.mark.parametrize("loop,added", [("fp16", 0), ("fused", 1), ("bf16", 1)])
+def test_host_waits_ampwatch_adds_to_a_healthy_cuda_step(tmp_path, loop, added):
+    """What docs/performance.md promises on CUDA: nothing added to a GradScaler loop (it already
+    waits inside scaler.step, for its inf flag); one wait a step with a fused optimizer (the inf flag,
+    read in time to replay a skipped step) and without a scaler (the check before the update). The
+    writer thread's waits for its copies are not the training thread's and are not counted."""
+    plain = _syncs_per_step(tmp_path, loop, False)
+    watched = _syncs_per_step(tmp_path, loop, True)
+    print(f"{loop}: host waits per step without ampwatch {plain}, with {watched}")
+    assert [w - p for w, p in zip(watched, plain)] == [added] * len(plain)
