@@ -84,10 +84,12 @@ def test_fused_optimizer_under_lightning_16_mixed(tmp_path):
     assert [r for r, _ in pairs] == pytest.approx([t for _, t in pairs], rel=1e-4)
 
 
-def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clip", [False, True], ids=["no-unscale", "unscale-and-clip"])
+def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, monkeypatch, clip):
     """On the accelerator path a fused optimizer's skip is read from the scaler's inf flag and the
     step replayed: the overflow is localized on its own step while healthy steps between
-    ``layer_every`` steps write no module row (they were not observed)."""
+    ``layer_every`` steps write no module row (they were not observed). The flag is taken where the
+    scaler makes it: at unscale_ (the clip loop) or as the optimizer's step begins (skipflag.py)."""
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -104,6 +106,9 @@ def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, mo
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = torch.nn.functional.mse_loss(model(x).float(), y)
             scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)

@@ -34,6 +34,7 @@ from .grads import GradMeter
 from . import copies, fp8, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
+from .skipflag import EarlyFlag
 from .step import StepScalars, StepState, pack_scalars, pack_step
 
 log = logging.getLogger("ampwatch")
@@ -104,6 +105,7 @@ class Watch:
         self._fused = torch_access.steps_inside_kernel(self.optimizer)
         self._fused_inv_scale: Any = None  # a fused step's 1/scale, for the detail of a skipped step
         self._fused_found: Optional[torch.Tensor] = None  # this step's summed inf flags, once read
+        self._skip_flag = EarlyFlag()  # a fused step's inf flag, on its way to the host (skipflag.py)
         self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
@@ -389,6 +391,8 @@ class Watch:
         self.state.scale_calls += 1
 
     def on_unscaled(self, inside_step: bool) -> None:
+        if not inside_step:
+            self._start_skip_flag()
         # the user did not unscale_ first. Checked on every layer_every step (two host reads, right
         # before scaler.step syncs anyway), a notice on each that shows it: the doctor tells a loop
         # that always clips scaled gradients from one that did it once
@@ -418,13 +422,29 @@ class Watch:
                 self._fused_inv_scale = inv_scale
                 self.grads.measure(self._detail_step(), inv_scale=inv_scale)
 
+    def _replays_fused_skips(self) -> bool:
+        return self._fused and self.replayer is not None and not self.observer.observing
+
+    def _start_skip_flag(self) -> None:
+        """Where a fused step's inf flag is made (unscale_ returned, or the optimizer's step begins):
+        send it to the host now, so that after_scaler_step waits for it and not for the optimizer."""
+        if (self._replays_fused_skips() and not self._skip_flag.started
+                and torch_access.scaler_enabled(self.scaler)):
+            flag = torch_access.found_inf(self.scaler, self.optimizer)
+            if flag is not None:
+                self._skip_flag.start(flag)
+
     def after_scaler_step(self) -> None:
         skipped = torch_access.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
-        if self._fused and self.replayer is not None and not self.observer.observing:
+        if self._replays_fused_skips():
             # sync point, once per step: a fused optimizer skips inside its kernel, so only the
-            # scaler's inf flag tells the host (a non-fused GradScaler loop pays this read in step())
+            # scaler's inf flag tells the host (a non-fused GradScaler loop pays this read in step()).
+            # It was sent where it was made: waiting for it leaves the optimizer's kernel running
             flag = self._fused_found = torch_access.found_inf(self.scaler, self.optimizer)
-            if flag is not None and bool(flag.item()):
+            bad = self._skip_flag.read()
+            if bad is None and flag is not None:
+                bad = bool(flag.item())
+            if bad:
                 self.grads.measure_detail(None, inv_scale=self._fused_inv_scale)
                 self._replay()
             self._fp32_check(False)
@@ -490,6 +510,8 @@ class Watch:
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.state.stepped = True
+        if self._fused:  # the scaler checked the gradients: the flag is made (no unscale_ before)
+            self._start_skip_flag()
         self._early_scalars = None
         self.grads.measure(self._detail_step())
         if (self.replayer is not None and not self.observer.observing
@@ -545,6 +567,7 @@ class Watch:
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
         self.step += 1
+        self._skip_flag.clear()  # an unscale_ without scaler.step() left one behind
         if self.fp8 is not None and self._detail_step():
             self.fp8.arm()
         self._clip_norms_expected = self._clip_norms_taken and not self._clip_norms_refused

@@ -1,0 +1,55 @@
+"""A fused optimizer's skip, told to the host without waiting for the optimizer's own kernel.
+
+A fused optimizer (``AdamW(fused=True)``) skips inside its kernel: only the scaler's inf flag tells
+the host that a step was skipped, and a replay of that step must start before ``update()``.
+Reading the flag after ``scaler.step()`` (``.item()``) waits for all the work queued so far, the
+optimizer's kernel included, and the device then idles while the host launches the next step.
+So the flag is copied to the host where it is made: when ``unscale_`` returns, or (no
+``unscale_``) when the optimizer's step begins, after the scaler checked the gradients. An event
+marks that copy. The read after ``scaler.step()`` waits for that event only, and the clip, the
+optimizer and ``update()`` keep running on the device meanwhile.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class EarlyFlag:
+    """One step's inf flag on its way to the host: :meth:`start` where it is made, :meth:`read`
+    once the host must know."""
+    __slots__ = ("_host", "_ready", "_flag")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self._host: Optional[torch.Tensor] = None
+        self._ready: Optional[torch.cuda.Event] = None
+        self._flag: Optional[torch.Tensor] = None
+
+    @property
+    def started(self) -> bool:
+        return self._host is not None or self._flag is not None
+
+    def start(self, flag: torch.Tensor) -> None:
+        """Copy ``flag`` (a 0-d device tensor) to the host behind the work that makes it; no wait."""
+        if flag.device.type == "cuda":
+            self._host = flag.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited on
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:  # other devices have no event API we rely on: read where it stands, in read()
+            self._flag = flag
+
+    def read(self) -> Optional[bool]:
+        """Whether the flag was set (the step skipped), or None when none was started."""
+        if self._ready is not None:
+            self._ready.synchronize()  # sync point: only as far as the flag, not the optimizer's kernel
+            value = bool(self._host.item())  # a host tensor: no device read
+        elif self._flag is not None:
+            value = bool(self._flag.item())  # sync point on an accelerator without events
+        else:
+            return None
+        self.clear()
+        return value
