@@ -23,7 +23,8 @@ the loss nor any gradient (masked) is seen on ``layer_every`` steps only, as on 
 replay is a second run of the step, so a step that is not reproducible (a compiled model replayed
 in eager, nondeterministic kernels) is localized from the replay's values. It needs the skip known
 on the host: a fused optimizer skips inside its kernel, so there the watch reads the scaler's inf
-flag once per step (a sync, the one a non-fused GradScaler loop already pays inside scaler.step());
+flag once per step (a wait, like the one a non-fused GradScaler loop already pays inside
+scaler.step(); on CUDA only as far as the flag, skipflag.py);
 without a scaler (bf16, fp32) nothing skips, so the watch checks the step's gradient norms (and
 the logged loss) before ``optimizer.step()`` changes the weights, one sync per step, and replays a
 bad step then. Not under DDP/FSDP (a replay would start collectives on one rank): there the module
