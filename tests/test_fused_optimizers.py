@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from pandas import testing as pd_testing
 
 import ampwatch
 from helpers.loops import data, mlp, snapshot, changed
@@ -89,7 +90,9 @@ def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, mo
     """On the accelerator path a fused optimizer's skip is read from the scaler's inf flag and the
     step replayed: the overflow is localized on its own step while healthy steps between
     ``layer_every`` steps write no module row (they were not observed). The flag is taken where the
-    scaler makes it: at unscale_ (the clip loop) or as the optimizer's step begins (skipflag.py)."""
+    scaler makes it: at unscale_ (the clip loop) or as the optimizer's step begins (skipflag.py).
+    The fault here depends on Python state (the loop's step counter), so the skipped step is read
+    within itself: the next step is a ``layer_every`` one (deferred.py holds no such step)."""
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -98,7 +101,7 @@ def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, mo
     state = {"step": 0}
     model[2].register_forward_hook(lambda m, i, o: o * 1e6 if state["step"] == fault_step else o)
     skipped = []
-    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"), layer_every=5) as watch:
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"), layer_every=4) as watch:
         for i in range(12):
             state["step"] = i
             x, y = data(i)
@@ -119,5 +122,98 @@ def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, mo
     origin = run.events[run.events["origin"]]
     assert set(origin["step"]) == {fault_step}
     assert origin.iloc[0]["module"] == "2" and origin.iloc[0]["phase"] == "forward"
-    assert set(run.modules["step"]) == {0, 5, 10, fault_step}  # layer_every steps and the replayed one
+    assert set(run.modules["step"]) == {0, 4, 8, fault_step}  # layer_every steps and the replayed one
     assert "replay-not-reproduced" not in set(run.notices["code"])
+
+
+def _bad_batch_run(path, layer_every, clip, fault_step=7, steps=12, watched=True, fused=True, mult=1e5):
+    """Fused AdamW on the accelerator path; the batch of ``fault_step`` is ``mult`` times too large,
+    a fault its kept inputs reproduce: at 1e5 module "0"'s fp16 output overflows; at 1e3 the
+    forward stays finite and only the weights' gradient products overflow (the biases' stay finite)."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    watch = ampwatch.attach(model, opt, scaler, path=str(path), layer_every=layer_every) if watched else None
+    skipped, held = [], []  # held: the steps whose skip was still unread when they ended
+    for i in range(steps):
+        x, y = data(i)
+        if i == fault_step:
+            x = x * mult
+        before = snapshot(model)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        skipped.append(not changed(before, model))
+        if watch is not None and watch._held is not None:
+            held.append(watch._held.pack.step)
+    if watch is not None:
+        watch.close()
+    return skipped, [p.detach().clone() for p in model.parameters()], held
+
+
+@pytest.mark.parametrize("mult,origins", [(1e5, [[7, "0", "forward"]]), (1e3, [])], ids=["forward", "weight-grads"])
+@pytest.mark.parametrize("clip", [False, True], ids=["no-unscale", "unscale-and-clip"])
+def test_a_fused_skip_read_a_step_late_is_localized_as_one_read_in_its_own_step(tmp_path, monkeypatch, clip,
+                                                                                mult, origins):
+    """deferred.py: between layer_every steps a fused step's skip is read at the next step's
+    optimizer step, and a skipped step is replayed there, before any weight changes. Its rows must
+    be those the same step gets when it is read within itself (layer_every=8: step 8 is a
+    layer_every step, so step 7 is not held), and training must not change."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    fault = 7
+    truth, plain, _ = _bad_batch_run(tmp_path / "plain.sqlite", 5, clip, watched=False, mult=mult)
+    late_skips, late_params, late_held = _bad_batch_run(tmp_path / "late.sqlite", 5, clip, mult=mult)
+    now_skips, _, now_held = _bad_batch_run(tmp_path / "now.sqlite", 8, clip, mult=mult)
+    assert truth == [i == fault for i in range(12)] == late_skips == now_skips
+    # held: every step that observes nothing and is followed by no layer_every step
+    assert late_held == [1, 2, 3, 6, 7, 8, 11] and now_held == [1, 2, 3, 4, 5, 6, 9, 10, 11]
+    assert all(torch.equal(a, b) for a, b in zip(late_params, plain))  # training unchanged
+    late, now = ampwatch.load(tmp_path / "late.sqlite"), ampwatch.load(tmp_path / "now.sqlite")
+    assert list(late.steps["step"]) == list(range(12)) and list(late.steps["skipped"]) == truth
+    for run in (late, now):
+        origin = run.events[run.events["origin"]]
+        assert origin[["step", "module", "phase"]].values.tolist() == origins
+        assert "replay-not-reproduced" not in set(run.notices["code"])
+        assert set(run.events[run.events.phase == "param_grad"]["step"]) == {fault}
+    replayed = {fault} if origins else set()  # module rows of a skipped step: where a module value was bad
+    assert set(late.modules["step"]) == {0, 5, 10} | replayed and set(now.modules["step"]) == {0, 8} | replayed
+
+    def at_fault(frame, columns):
+        rows = frame[frame["step"] == fault].sort_values(columns[:3])
+        return rows[columns].reset_index(drop=True)
+
+    cols = ["module", "phase", "kind", "amax", "origin", "dtype"]
+    events = [run.events if not clip else run.events[run.events.phase != "param_grad"] for run in (late, now)]
+    pd_testing.assert_frame_equal(at_fault(events[0], ["step"] + cols), at_fault(events[1], ["step"] + cols),
+                                  check_exact=False, rtol=1e-5)
+    module_cols = [c for c in late.modules.columns if c not in ("module_id",)]
+    pd_testing.assert_frame_equal(at_fault(late.modules, module_cols), at_fault(now.modules, module_cols),
+                                  check_exact=False, rtol=1e-5)
+    layers = late.layers[late.layers["step"] == fault]
+    assert layers["grad_nonfinite"].notna().all() and (layers["grad_nonfinite"] > 0).any()
+    if mult == 1e3:  # the biases' gradients stayed finite: their max |g|, unscaled, is known
+        assert layers[layers.name.str.endswith("bias")]["grad_amax"].between(1e-3, 1e3).all()
+    if not clip:  # no clip rewrote the gradients in place: the replay's detail is the step's own
+        pd_testing.assert_frame_equal(at_fault(late.layers, ["step", "name", "grad_nonfinite", "grad_zero_frac",
+                                                             "grad_amax", "param_norm"]),
+                                      at_fault(now.layers, ["step", "name", "grad_nonfinite", "grad_zero_frac",
+                                                            "grad_amax", "param_norm"]),
+                                      check_exact=False, rtol=1e-5)
+
+
+def test_a_fused_skip_on_the_last_step_is_settled_when_the_run_closes(tmp_path, monkeypatch):
+    """The last step has no next step to read its flag: close() reads it, and replays it then."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    truth, _, held = _bad_batch_run(tmp_path / "run.sqlite", 5, False, fault_step=11, steps=12)
+    assert held[-1] == 11
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    assert list(run.steps["skipped"]) == truth == [i == 11 for i in range(12)]
+    origin = run.events[run.events["origin"]]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[11, "0", "forward"]]
+    assert run.info["status"] == "finished"

@@ -23,8 +23,8 @@ the loss nor any gradient (masked) is seen on ``layer_every`` steps only, as on 
 replay is a second run of the step, so a step that is not reproducible (a compiled model replayed
 in eager, nondeterministic kernels) is localized from the replay's values. It needs the skip known
 on the host: a fused optimizer skips inside its kernel, so there the watch reads the scaler's inf
-flag once per step (a wait, like the one a non-fused GradScaler loop already pays inside
-scaler.step(); on CUDA only as far as the flag, skipflag.py);
+flag once per step (between ``layer_every`` steps a step late, at the next step's optimizer
+step, where the device is usually past it: deferred.py);
 without a scaler (bf16, fp32) nothing skips, so the watch checks the step's gradient norms (and
 the logged loss) before ``optimizer.step()`` changes the weights, one sync per step, and replays a
 bad step then. Not under DDP/FSDP (a replay would start collectives on one rank): there the module
@@ -168,18 +168,27 @@ class Replayer:
         self.batches = []
         self.broken = False
 
-    def replay(self, params: list[torch.Tensor]) -> bool:
+    def replay(self, params: list[torch.Tensor], batches: Optional[list] = None,
+               grads_out: Optional[list] = None) -> bool:
         """Run the step's micro-batches again, forward and backward (the observer's hooks must be on).
         True when the replay reproduced the skip: some parameter gradient came out non-finite, and
         no micro-batch whose outputs' gradients were non-finite (a non-finite loss) made finite
         outputs this time (a few reads per micro-batch: syncs, on a skipped step only). Parameters'
         ``.grad``, buffers and RNG states are left as they were. Raises :class:`NotReplayable`, before
-        running anything, when a kept input was changed in place since its forward."""
-        if self.broken or not self.batches:
+        running anything, when a kept input was changed in place since its forward.
+        ``batches``: an earlier step's (:meth:`hand_over`) instead of this step's. ``grads_out``: a
+        list as long as ``params``, filled with each parameter's replayed gradient, summed over the
+        micro-batches (None where none came), for the detail of a step whose ``.grad`` is gone."""
+        if batches is None:
+            if self.broken:
+                return False
+            batches = self.batches
+        if not batches:
             return False
-        for index, batch in enumerate(self.batches):  # before anything runs: raises NotReplayable
+        for index, batch in enumerate(batches):  # before anything runs: raises NotReplayable
             batch.check_unchanged(index)
         trainable = [p for p in params if p.requires_grad]
+        where = [i for i, p in enumerate(params) if p.requires_grad]  # trainable -> position in params
         kept = [p.grad for p in trainable]  # nested backward passes (reentrant checkpointing) accumulate
         reproduced = unfaithful = False
         buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
@@ -187,7 +196,7 @@ class Replayer:
         self.replaying = True
         try:
             with torch.enable_grad():
-                for batch in self.batches:
+                for batch in batches:
                     self._set_rng(batch.rng)
                     enabled, dtype = batch.autocast
                     with torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
@@ -203,6 +212,9 @@ class Replayer:
                         leaves = _leaves([t for t, _ in pairs], trainable)
                         grads = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
                                                     allow_unused=True)
+                        if grads_out is not None:
+                            _add_grads(grads_out, [g if g is not None else p.grad
+                                                   for g, p in zip(grads[:len(trainable)], trainable)], where)
                         grads = [g for g in grads[:len(trainable)] if g is not None]
                         grads += [p.grad for p in trainable if p.grad is not None]  # inside checkpoints
                         if grads and not reproduced:
@@ -218,6 +230,13 @@ class Replayer:
                 for b, kept in buffers:
                     b.copy_(kept)
         return reproduced and not unfaithful
+
+    def hand_over(self) -> list:
+        """This step's kept micro-batches, for a replay after the step ended (a fused optimizer's
+        skip, read a step late: see deferred.py); the replayer starts the next step empty."""
+        batches = [] if self.broken else self.batches
+        self.clear()
+        return batches
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -252,6 +271,13 @@ def _finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one multi-tensor reduction, one read)."""
     norms = torch._foreach_norm([t.detach() for t in tensors], math.inf)
     return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
+def _add_grads(out: list, grads: list, where: list[int]) -> None:
+    """Sum one micro-batch's replayed gradients into ``out`` (by position in the parameter list)."""
+    for g, i in zip(grads, where):
+        if g is not None:
+            out[i] = g.detach() if out[i] is None else out[i] + g
 
 
 def _keep_grad(grads: dict, pos: int, grad: Optional[torch.Tensor]) -> None:

@@ -6,8 +6,9 @@ Reading the flag after ``scaler.step()`` (``.item()``) waits for all the work qu
 optimizer's kernel included, and the device then idles while the host launches the next step.
 So the flag is copied to the host where it is made: when ``unscale_`` returns, or (no
 ``unscale_``) when the optimizer's step begins, after the scaler checked the gradients. An event
-marks that copy. The read after ``scaler.step()`` waits for that event only, and the clip, the
-optimizer and ``update()`` keep running on the device meanwhile.
+marks that copy. A read waits for that event only, and the clip, the optimizer and ``update()``
+keep running on the device meanwhile; read at the next step's optimizer step (deferred.py), the
+copy is usually done and the read does not wait at all.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class EarlyFlag:
     def read(self) -> Optional[bool]:
         """Whether the flag was set (the step skipped), or None when none was started."""
         if self._ready is not None:
-            self._ready.synchronize()  # sync point: only as far as the flag, not the optimizer's kernel
+            if not self._ready.query():  # read a step late (deferred.py), the copy is usually done
+                self._ready.synchronize()  # sync point: only as far as the flag, not the optimizer's kernel
             value = bool(self._host.item())  # a host tensor: no device read
         elif self._flag is not None:
             value = bool(self._flag.item())  # sync point on an accelerator without events

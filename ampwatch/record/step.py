@@ -182,10 +182,43 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
                        device=device, values=values)
 
 
+def extend_scalars(scalars: StepScalars, extra: list[tuple[str, torch.Tensor]]) -> StepScalars:
+    """``scalars`` with device segments appended (a step's detail measured after it was packed):
+    one ``cat`` in their dtype. The device path only."""
+    dt = scalars.dtype
+    layout, offset = dict(scalars.layout), scalars.nbytes // dt.itemsize
+    parts = [scalars.device] if scalars.device is not None else []
+    for key, t in extra:
+        layout[key] = (offset, t.numel())
+        offset += t.numel()
+        parts.append(t.detach().reshape(-1).to(dt).view(torch.uint8))
+    return StepScalars(layout, dict(scalars.host_metrics), offset * dt.itemsize, dt, scaled=scalars.scaled,
+                       device=torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
 def pack_step(watch: Any, scalars: StepScalars, now: float) -> StepPack:
     """The StepPack for the step that ends now (the observer starts its next step): ``scalars``
     from :func:`pack_scalars`, and the module stats as they stand."""
     state = watch.state
+    flat, ready, loc = transfer_step(watch, scalars)
+    lr = watch.optimizer.param_groups[0].get("lr") if watch.optimizer.param_groups else None
+    if isinstance(lr, torch.Tensor) and "lr" in scalars.layout:
+        lr = None  # a device tensor: in the pack (device_lr), read by the writer thread
+    return StepPack(
+        step=watch.step, time=now, duration_s=now - state.started, lr=None if lr is None else float(lr),
+        micro_batches=max(state.backwards, state.scale_calls),
+        skipped=None if (watch._fused or not scalars.scaled) else not state.stepped,
+        flat=flat, ready=ready, layout=scalars.layout, host_metrics=scalars.host_metrics,
+        norm_ids=watch.grads.norm_ids, detail_ids=watch.grads.detail_ids, param_numel=watch._param_numel,
+        loc=loc, scalar_bytes=scalars.nbytes, pack_dtype=scalars.dtype,
+        exact_counts=watch._reads_free,
+        host_stats=watch.observer is not None and watch.observer.host_stats, scalars=scalars.values)
+
+
+def transfer_step(watch: Any, scalars: StepScalars) -> tuple[Optional[torch.Tensor], Any, Optional[dict]]:
+    """``scalars`` and the module stats as they stand, on their way to the host: (bytes, the CUDA
+    event that marks them ready or None, the observer's structure of the step). The observer
+    starts its next step."""
     observer, loc = watch.observer, None
     flat = ready = None
     if watch._reads_free:
@@ -204,15 +237,4 @@ def pack_step(watch: Any, scalars: StepScalars, now: float) -> StepPack:
                                     fresh=scalars.device is not None or len(parts) > 1)
     if observer is not None and (watch._reads_free or loc["observed"]):
         observer.reset_buffer(first=bool(loc and loc["first"]))  # stream-ordered after the copy above
-    lr = watch.optimizer.param_groups[0].get("lr") if watch.optimizer.param_groups else None
-    if isinstance(lr, torch.Tensor) and "lr" in scalars.layout:
-        lr = None  # a device tensor: in the pack (device_lr), read by the writer thread
-    return StepPack(
-        step=watch.step, time=now, duration_s=now - state.started, lr=None if lr is None else float(lr),
-        micro_batches=max(state.backwards, state.scale_calls),
-        skipped=None if (watch._fused or not scalars.scaled) else not state.stepped,
-        flat=flat, ready=ready, layout=scalars.layout, host_metrics=scalars.host_metrics,
-        norm_ids=watch.grads.norm_ids, detail_ids=watch.grads.detail_ids, param_numel=watch._param_numel,
-        loc=loc, scalar_bytes=scalars.nbytes, pack_dtype=scalars.dtype,
-        exact_counts=watch._reads_free,
-        host_stats=observer is not None and observer.host_stats, scalars=scalars.values)
+    return flat, ready, loc

@@ -31,7 +31,7 @@ from .runinfo import describe_run, module_aliases, parameter_table, resolve_path
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
-from . import copies, fp8, replay
+from . import copies, deferred, fp8, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .skipflag import EarlyFlag
@@ -106,6 +106,8 @@ class Watch:
         self._fused_inv_scale: Any = None  # a fused step's 1/scale, for the detail of a skipped step
         self._fused_found: Optional[torch.Tensor] = None  # this step's summed inf flags, once read
         self._skip_flag = EarlyFlag()  # a fused step's inf flag, on its way to the host (skipflag.py)
+        self._held: Optional[deferred.HeldStep] = None  # a fused step not settled yet (deferred.py)
+        self._hold_step = False  # the step now ending is to be held
         self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
@@ -437,10 +439,19 @@ class Watch:
     def after_scaler_step(self) -> None:
         skipped = torch_access.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
         if self._replays_fused_skips():
-            # sync point, once per step: a fused optimizer skips inside its kernel, so only the
-            # scaler's inf flag tells the host (a non-fused GradScaler loop pays this read in step()).
-            # It was sent where it was made: waiting for it leaves the optimizer's kernel running
             flag = self._fused_found = torch_access.found_inf(self.scaler, self.optimizer)
+            if deferred.may_hold(self) and torch_access.scaler_enabled(self.scaler):
+                # read at the next step's optimizer step instead, where the device is long past it
+                if not self._skip_flag.started and flag is not None:
+                    self._skip_flag.start(flag)
+                self._hold_step = self._skip_flag.started
+                if self._hold_step:
+                    self._fp32_check(False)
+                    return
+            # sync point, once per step before a layer_every step: a fused optimizer skips inside
+            # its kernel, so only the scaler's inf flag tells the host (a non-fused GradScaler loop
+            # pays this read in step()). It was sent where it was made: waiting for it leaves the
+            # optimizer's kernel running
             bad = self._skip_flag.read()
             if bad is None and flag is not None:
                 bad = bool(flag.item())
@@ -457,17 +468,18 @@ class Watch:
                 self._replay()
         self._fp32_check(skipped)
 
-    def _replay(self) -> None:
+    def _replay(self, batches: Optional[list] = None, grads_out: Optional[list] = None) -> None:
         """Run the skipped step again with the module hooks on (replay.py), before update(). A replay
         that does not reproduce the skip (the model keeps Python state, the loss takes gradients
-        from outside the model's outputs) says so once, and modules are observed live from then on."""
+        from outside the model's outputs) says so once, and modules are observed live from then on.
+        ``batches``, ``grads_out``: a held step's (deferred.py), see ``Replayer.replay``."""
         self._trigger.pause(True)
         self.observer.set_observing(True)
         # the replay ran on the same weights, inputs, RNG and autocast state: the doctor reads "came out finite"
         reproduced, why = False, ("it came out finite: state the model keeps in Python, a fault outside the "
                                   "model's outputs, or a transient fault")
         try:
-            reproduced = self.replayer.replay(self._params)
+            reproduced = self.replayer.replay(self._params, batches, grads_out)
         except replay.NotReplayable as exc:
             why = str(exc)
         except Exception as exc:  # a model that cannot run again this way (reentrant checkpointing
@@ -509,6 +521,8 @@ class Watch:
 
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._held is not None:  # before this step changes a weight: a skipped one is replayed
+            deferred.settle(self)
         self.state.stepped = True
         if self._fused:  # the scaler checked the gradients: the flag is made (no unscale_ before)
             self._start_skip_flag()
@@ -560,10 +574,18 @@ class Watch:
         now = time.time()
         if self._trigger is not None:
             self._trigger.step_ended(bool(self.state.scale_calls or self.state.stepped))
-        pack = pack_step(self, scalars if scalars is not None else pack_scalars(self, None, None), now)
+        if scalars is None:
+            scalars = pack_scalars(self, None, None)
+        pack = pack_step(self, scalars, now)
         if self.fp8 is not None and self.fp8.armed:  # a layer_every step: its fp8 values, disarmed
             pack.fp8 = self.fp8.take(self.step)
-        self.writer.put_step(pack)
+        if self._held is not None:  # no optimizer step settled it: it goes first, as late as it can
+            deferred.settle(self)
+        if self._hold_step:
+            self._hold_step = False
+            deferred.hold(self, pack, scalars)
+        else:
+            self.writer.put_step(pack)
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
         self.step += 1
@@ -623,6 +645,8 @@ class Watch:
         """Flush, mark the run ended and remove every hook and patch. Idempotent."""
         if self.closed:
             return
+        if getattr(self, "_held", None) is not None:  # the last step: settled (replayed) now
+            self.call_guarded(deferred.settle, self)
         self.closed = True
         _open_watches.discard(self)
         for handle in self._handles:

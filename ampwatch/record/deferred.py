@@ -1,0 +1,100 @@
+"""A fused optimizer's skip, read one step late, so that healthy steps do not wait for the device.
+
+A fused optimizer (``AdamW(fused=True)``) skips inside its kernel, and only the scaler's inf flag
+tells the host. Reading it within the step makes the host wait for the device on every step:
+skipflag.py narrows that wait to the flag, but any wait stops the host from running ahead of the
+device, which a fused loop without ampwatch does (GPT-2 small on an H100 paid 1.04-1.09x a step
+for it: docs/performance.md).
+
+So between ``layer_every`` steps a fused step's pack is held instead of handed to the writer,
+with its flag on its way to the host (skipflag.py) and the replayer's kept micro-batches, and is
+settled at the next step's ``optimizer.step()``, before that step changes any weight. By then the
+device has usually finished the held step, so the read rarely waits, and when it does, only for
+that step while the next one's work stays queued. A healthy step's pack goes to the writer as it
+is. A skipped step left the weights as they were, so it is replayed then, as it would have been a
+step earlier: its module rows and events, and its gradients' detail measured on the replayed
+gradients (its ``.grad`` is gone by then), join its pack, which reaches the writer before the
+next step's.
+
+What it costs: the kept micro-batches (references to the inputs and to the gradients the outputs
+received) live one step longer, through the next step's forward and backward, so peak memory
+holds one more output gradient when the loss is computed outside the model; and a step's row reaches
+the file a step later. The step before a ``layer_every`` step is read within its own step, as
+before (the next step's module observation would mix with its replay's).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import torch_access
+from .packing import StepPack
+from .skipflag import EarlyFlag
+from .step import StepScalars, extend_scalars, transfer_step
+
+
+@dataclass
+class HeldStep:
+    """A fused step whose skip is not read yet: its pack, as it would reach the writer."""
+    pack: StepPack
+    scalars: StepScalars
+    flag: EarlyFlag   # its inf flag on its way to the host
+    batches: list     # the replayer's kept micro-batches (Replayer.hand_over)
+
+
+def may_hold(watch: Any) -> bool:
+    """Whether the step now ending can be settled at the next step's optimizer step: a fused step
+    with skips replayed, on a device path, nothing else held, the next step no ``layer_every`` step."""
+    return (watch._held is None and not watch._reads_free
+            and (watch.step + 1) % watch.options["layer_every"] != 0)
+
+
+def hold(watch: Any, pack: StepPack, scalars: StepScalars) -> None:
+    """Keep the step that ends now (its flag started, its micro-batches kept) until :func:`settle`."""
+    watch._held = HeldStep(pack, scalars, watch._skip_flag, watch.replayer.hand_over())
+    watch._skip_flag = EarlyFlag()  # the next step's
+
+
+def settle(watch: Any) -> None:
+    """Read the held step's flag and hand its pack to the writer, replayed first if it skipped."""
+    held, watch._held = watch._held, None
+    if not held.flag.read():  # sync point, where the device has usually passed it long ago
+        watch.writer.put_step(held.pack)
+        return
+    replayed: list = [None] * len(watch._params)
+    current = watch.step
+    watch.step = held.pack.step  # what the replay writes (notices) belongs to the held step
+    try:
+        if watch.replayer is not None:
+            watch._replay(held.batches, replayed)
+        watch._fp32_check(False)
+        scalars, detail_ids = held.scalars, held.pack.detail_ids
+        detail = _detail(watch, held, replayed)
+        if detail is not None:
+            scalars, detail_ids = extend_scalars(scalars, [("detail", detail)]), list(held.pack.norm_ids)
+        flat, ready, loc = transfer_step(watch, scalars)  # the replay's module values
+        pack = dataclasses.replace(held.pack, flat=flat, ready=ready, loc=loc, layout=scalars.layout,
+                                   scalar_bytes=scalars.nbytes, pack_dtype=scalars.dtype,
+                                   detail_ids=detail_ids)
+    finally:
+        watch.step = current
+    watch.writer.put_step(pack)
+
+
+def _detail(watch: Any, held: HeldStep, replayed: list) -> Optional[torch.Tensor]:
+    """The held step's per-parameter detail (as a bad step's, with exact counts) from its replayed
+    gradients, unscaled by the scale its pack holds; None unless every measured parameter got one."""
+    ids = held.pack.norm_ids
+    grads = [replayed[i] for i in ids]
+    if not ids or any(g is None for g in grads):
+        return None
+    detail = torch_access.tensor_details(grads, [watch._params[i] for i in ids], watch._device,
+                                         watch._pack_dtype)
+    if "scale" in held.scalars.layout:  # the replay's gradients carry the scale; its norms do not
+        offset, _ = held.scalars.layout["scale"]
+        scale = held.scalars.device.view(held.scalars.dtype)[offset]
+        detail[:, 0] *= scale.double().reciprocal().to(detail.dtype)
+    return detail.reshape(-1)
