@@ -126,7 +126,8 @@ def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, mo
     assert "replay-not-reproduced" not in set(run.notices["code"])
 
 
-def _bad_batch_run(path, layer_every, clip, fault_step=7, steps=12, watched=True, fused=True, mult=1e5):
+def _bad_batch_run(path, layer_every, clip, fault_step=7, steps=12, watched=True, fused=True, mult=1e5,
+                   accum=1):
     """Fused AdamW on the accelerator path; the batch of ``fault_step`` is ``mult`` times too large,
     a fault its kept inputs reproduce: at 1e5 module "0"'s fp16 output overflows; at 1e3 the
     forward stays finite and only the weights' gradient products overflow (the biases' stay finite)."""
@@ -137,12 +138,16 @@ def _bad_batch_run(path, layer_every, clip, fault_step=7, steps=12, watched=True
     skipped, held = [], []  # held: the steps whose skip was still unread when they ended
     for i in range(steps):
         x, y = data(i)
-        if i == fault_step:
-            x = x * mult
+        if i == fault_step:  # with several micro-batches, the second one's part of the batch
+            x = x.clone()
+            size = -(-len(x) // accum)  # x.chunk(accum)'s chunk size
+            part = slice(size, 2 * size) if accum > 1 else slice(None)
+            x[part] *= mult
         before = snapshot(model)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        scaler.scale(loss).backward()
+        for xb, yb in zip(x.chunk(accum), y.chunk(accum)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(xb).float(), yb) / accum
+            scaler.scale(loss).backward()
         if clip:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -217,3 +222,29 @@ def test_a_fused_skip_on_the_last_step_is_settled_when_the_run_closes(tmp_path, 
     origin = run.events[run.events["origin"]]
     assert origin[["step", "module", "phase"]].values.tolist() == [[11, "0", "forward"]]
     assert run.info["status"] == "finished"
+
+
+@pytest.mark.parametrize("mult", [1e5, 1e3], ids=["forward", "weight-grads"])
+def test_a_fused_skip_read_a_step_late_names_its_micro_batch(tmp_path, monkeypatch, mult):
+    """Three micro-batches, the second one bad: the held step's replay runs all three, sums their
+    gradients for the detail, and names micro-batch 1, as reading the step in itself does."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    truth, plain, _ = _bad_batch_run(tmp_path / "plain.sqlite", 5, False, watched=False, accum=3, mult=mult)
+    late_skips, late_params, late_held = _bad_batch_run(tmp_path / "late.sqlite", 5, False, accum=3, mult=mult)
+    now_skips, _, _ = _bad_batch_run(tmp_path / "now.sqlite", 8, False, accum=3, mult=mult)
+    assert truth == late_skips == now_skips == [i == 7 for i in range(12)] and 7 in late_held
+    assert all(torch.equal(a, b) for a, b in zip(late_params, plain))
+    late, now = ampwatch.load(tmp_path / "late.sqlite"), ampwatch.load(tmp_path / "now.sqlite")
+    assert list(late.steps["micro_batches"]) == [3] * 12
+    cols = ["step", "phase", "module", "kind", "count", "amax", "micro_batch"]
+    rows = [run.events[run.events.step == 7].sort_values(["phase", "module"])[cols].reset_index(drop=True)
+            for run in (late, now)]
+    assert len(rows[0]) > 0
+    pd_testing.assert_frame_equal(rows[0], rows[1], check_exact=False, rtol=1e-5)
+    if mult == 1e5:
+        origin = late.events[late.events.origin]
+        assert origin[["step", "module", "phase", "micro_batch"]].values.tolist() == [[7, "0", "forward", 1]]
+    layer_cols = ["name", "grad_nonfinite", "grad_zero_frac", "grad_amax", "param_norm"]
+    layers = [run.layers[run.layers.step == 7].sort_values("name")[layer_cols].reset_index(drop=True)
+              for run in (late, now)]
+    pd_testing.assert_frame_equal(layers[0], layers[1], check_exact=False, rtol=1e-4)
