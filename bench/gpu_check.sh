@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU lease's checks in priority order, each under its own timeout: the gpu-marked tests, then
+# bench/gpu_gpt2.py's modes. About 9 minutes on an H100 with inductor's caches empty (the compiled
+# modes spend most of theirs compiling); a lease is ~15 minutes of device time, its start included.
+# Logs go to $OUT (the device tool's folder that comes back) or gpu-logs/.
+#
+# The device's Python has torch, transformers and pandas but not sqlite-utils: download it and its
+# two small dependencies here first (CONTRIBUTING.md, "On a GPU"), into .whl/, and carry .whl.
+set -u
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/env.log"
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$out/env.log"
+
+step() {  # step SECONDS NAME COMMAND...: one part, its output kept whether or not it finishes
+    local seconds=$1 name=$2
+    shift 2
+    echo "== $name (at most ${seconds} s)"
+    timeout "$seconds" "$@" 2>&1 | grep -v -i "warn" | tee "$out/$name.log"
+}
+step 60 gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py -rfEs -s -p no:cacheprovider
+step 90 eager python3 bench/gpu_gpt2.py --modes eager --replay on --fused off,on --rounds 8
+step 200 compile python3 bench/gpu_gpt2.py --modes compile --replay on --fused off,on --rounds 8
+step 180 cudagraphs python3 bench/gpu_gpt2.py --modes reduce-overhead --replay on --fused off --rounds 10
