@@ -37,18 +37,21 @@ class Net(nn.Module):
         return self.head(self.fc2(self.bomb(self.act(self.fc1(x)))) + x[:, :32].sum(1, keepdim=True))
 
 
-def run(tmp_path, name, *, compiled, watched, attach_after=False, fault_step=None, bomb=False, steps=4):
+def run(tmp_path, name, *, compiled, watched, attach_after=False, fault_step=None, bomb=False, steps=4,
+        fused=False, layer_every=2, held=None):
+    """``held``: a list that gets, after each step, the step a watch still holds unread (deferred.py)."""
     torch._dynamo.reset()
     counters.clear()
     model = Net(bomb)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if fused else \
+        torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
     watch = None
     if watched and not attach_after:
-        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=2)
+        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=layer_every)
     net = torch.compile(model, backend="aot_eager") if compiled else model
     if watched and attach_after:
-        watch = ampwatch.attach(net, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=2)
+        watch = ampwatch.attach(net, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=layer_every)
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
@@ -64,6 +67,8 @@ def run(tmp_path, name, *, compiled, watched, attach_after=False, fault_step=Non
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+        if held is not None and watch is not None and watch._held is not None:
+            held.append(watch._held.pack.step)
     breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
     if watch is not None:
         watch.close()
@@ -117,6 +122,30 @@ def test_compiled_run_localizes_like_eager(tmp_path, kind, monkeypatch):
     first = origins[origins.phase == kind].iloc[0]
     assert first["module"] == ("fc2" if kind == "forward" else "bomb")
     assert first["step"] == (2 if kind == "forward" else 0)
+    _same_record(eager, comp)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_compiled_model_with_a_fused_optimizer_localizes_skips_read_a_step_late_like_eager(tmp_path, kind,
+                                                                                              monkeypatch):
+    """The GPU user's stack: torch.compile and AdamW(fused=True). Between layer_every steps a fused
+    step's skip is read at the next step's optimizer step and replayed there (deferred.py), in eager
+    mode like every replay: the origins must be eager's, with no graph break."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    opts = dict(fault_step=2) if kind == "forward" else dict(bomb=True)
+    opts.update(fused=True, layer_every=5, steps=7)
+    eager_held, comp_held = [], []
+    eager, eager_losses, _, _ = run(tmp_path, "eager", compiled=False, watched=True, held=eager_held, **opts)
+    comp, comp_losses, breaks, _ = run(tmp_path, "comp", compiled=True, watched=True, held=comp_held, **opts)
+    assert breaks == {}
+    assert eager_held == comp_held == [1, 2, 3, 6]  # observed: 0 and 5; step 4 is read in itself
+    cols = ["step", "phase", "module", "origin"]
+    origins = eager.events[eager.events.origin][cols].reset_index(drop=True)
+    assert origins.equals(comp.events[comp.events.origin][cols].reset_index(drop=True))
+    skipped = eager.steps.set_index("step")["skipped"]
+    bad = [s for s in range(7) if skipped[s]]
+    assert bad and set(origins["step"]) == set(bad)  # every skipped step localized, held or not
+    assert set(origins[origins.phase == kind]["module"]) == {"fc2" if kind == "forward" else "bomb"}
     _same_record(eager, comp)
 
 
