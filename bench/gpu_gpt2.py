@@ -60,6 +60,7 @@ class Variant:
         torch.cuda.synchronize()
         self.first_s = time.perf_counter() - t0
         self.block_ms: list[float] = []
+        self.peak_gib: list[float] = []
 
     def step(self) -> None:
         with torch.autocast("cuda", dtype=torch.float16):
@@ -74,11 +75,16 @@ class Variant:
 
     def block(self, steps: int) -> float:
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
         torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps * 1e3
+        elapsed = time.perf_counter() - t0
+        # the peak of the block: both copies' weights and optimizer states are resident in every
+        # block, so the difference between the variants' peaks is what recording adds at its peak
+        self.peak_gib.append(torch.cuda.max_memory_allocated() / 2 ** 30)
+        return elapsed / steps * 1e3
 
 
 _OWN_CLASSES: dict = {}
@@ -116,7 +122,8 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], arg
           f"with {statistics.median(watched.block_ms):.2f} ms/step, median paired ratio "
           f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}) over "
           f"{args.rounds} rounds of {steps} steps; first step {plain.first_s:.1f} s vs "
-          f"{watched.first_s:.1f} s", flush=True)
+          f"{watched.first_s:.1f} s; peak memory in a block {max(plain.peak_gib):.2f} vs "
+          f"{max(watched.peak_gib):.2f} GiB", flush=True)
     if watched.watch is not None:
         watched.watch.close()
         run = ampwatch.load(f"{folder}/run.sqlite")
