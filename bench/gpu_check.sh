@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU lease's checks in priority order, each under its own timeout: the gpu-marked tests, then
-# bench/gpu_gpt2.py's modes. About 9 minutes on an H100 with inductor's caches empty (the compiled
+# bench/gpu_gpt2.py's modes (bf16 without a scaler too). At most 9.5 minutes on an H100 with inductor's caches empty (the compiled
 # modes spend most of theirs compiling); a lease is ~15 minutes of device time, its start included.
 # Logs go to $OUT (the device tool's folder that comes back) or gpu-logs/.
 #
@@ -26,5 +26,6 @@ step() {  # step SECONDS NAME COMMAND...: one part, its output kept whether or n
 }
 step 60 gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py -rfEs -s -p no:cacheprovider
 step 90 eager python3 bench/gpu_gpt2.py --modes eager --replay on --fused off,on --rounds 8
-step 200 compile python3 bench/gpu_gpt2.py --modes compile --replay on --fused off,on --rounds 8
-step 180 cudagraphs python3 bench/gpu_gpt2.py --modes reduce-overhead --replay on --fused off --rounds 10
+step 180 compile python3 bench/gpu_gpt2.py --modes compile --replay on --fused off,on --rounds 8
+step 90 bf16 python3 bench/gpu_gpt2.py --modes eager --bf16 --replay on --fused on --rounds 8
+step 150 cudagraphs python3 bench/gpu_gpt2.py --modes reduce-overhead --replay on --fused off --rounds 10

@@ -13,6 +13,7 @@ run pays on average (shorter blocks alternate between blocks with and without on
     python bench/gpu_gpt2.py --replay off     # every module observed on every step (no replay)
     python bench/gpu_gpt2.py --modes reduce-overhead --replay on   # inductor with CUDA graphs
     python bench/gpu_gpt2.py --fused off,on --replay on            # AdamW(fused=True) too
+    python bench/gpu_gpt2.py --bf16 --fused off,on --replay on     # bf16 autocast, no GradScaler
 
 Compiled, the copy without ampwatch is compiled as its user's process would compile it: under
 torch's default guards (an observing watch turns on Dynamo's guards on module hooks for the
@@ -43,12 +44,12 @@ from own_code import with_own_code  # noqa: E402
 
 class Variant:
     def __init__(self, base: torch.nn.Module, watched: bool, compiled: Optional[str], x: torch.Tensor, folder: str,
-                 layer_every: int = 20, replay: bool = True, fused: bool = False) -> None:
+                 layer_every: int = 20, replay: bool = True, fused: bool = False, bf16: bool = False) -> None:
         self.model = copy.deepcopy(base)
         if compiled and not watched:
             self.model.__class__ = _own_class(type(base))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
-        self.scaler = torch.amp.GradScaler("cuda")
+        self.scaler = None if bf16 else torch.amp.GradScaler("cuda")
         self.watch = ampwatch.attach(self.model, self.opt, self.scaler, path=f"{folder}/run.sqlite",
                                      layer_every=layer_every, replay=replay) if watched else None
         self.net = torch.compile(self.model, mode=compiled) if compiled else self.model
@@ -63,14 +64,21 @@ class Variant:
         self.peak_gib: list[float] = []
 
     def step(self) -> None:
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast("cuda", dtype=torch.float16 if self.scaler is not None else torch.bfloat16):
             logits = self.net(self.x).logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), self.x.view(-1))
-        self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        if self.scaler is None:  # bf16: no scaler; the loss reaches the watch through log()
+            loss.backward()
+            if self.watch is not None:
+                self.watch.log(loss=loss)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.scaler.step(self.opt)
+            self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
 
     def block(self, steps: int) -> float:
@@ -101,10 +109,11 @@ def _own_class(cls: type) -> type:
 def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], args: argparse.Namespace,
             layer_every: int, replay: bool = True, fused: bool = False) -> None:
     folder = tempfile.mkdtemp()
+    bf16 = args.bf16
     # the watched copy first: attaching to a model whose class an earlier configuration compiled
     # resets Dynamo's caches, which would make the unwatched copy compile again under hook guards
-    watched = Variant(base, True, compiled, x, folder, layer_every, replay, fused)
-    plain = Variant(base, False, compiled, x, folder, fused=fused)
+    watched = Variant(base, True, compiled, x, folder, layer_every, replay, fused, bf16)
+    plain = Variant(base, False, compiled, x, folder, fused=fused, bf16=bf16)
     for v in (plain, watched):
         for _ in range(args.warmup):
             v.step()
@@ -118,6 +127,7 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], arg
         ratios.append(got[id(watched)] / got[id(plain)])
     mode = f"torch.compile (inductor, mode {compiled})" if compiled else "eager"
     mode += ", AdamW(fused=True)" if fused else ""
+    mode += ", bf16 without a scaler" if bf16 else ""
     print(f"{mode}, layer_every={layer_every}, replay={replay}: without {statistics.median(plain.block_ms):.2f} ms/step, "
           f"with {statistics.median(watched.block_ms):.2f} ms/step, median paired ratio "
           f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}) over "
@@ -150,6 +160,7 @@ def main() -> None:
     parser.add_argument("--layer-every", default="20", help="comma-separated layer_every values")
     parser.add_argument("--replay", default="on,off", help="ampwatch's replay option: on, off or on,off")
     parser.add_argument("--fused", default="off", help="AdamW(fused=True): off, on or off,on")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (loss via watch.log)")
     args = parser.parse_args()
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -158,7 +169,8 @@ def main() -> None:
     n = sum(p.numel() for p in base.parameters())
     x = torch.randint(0, base.config.vocab_size, (args.batch, args.seq), device="cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, GPT-2 small {n / 1e6:.1f}M params, "
-          f"batch {args.batch} x {args.seq}, fp16 autocast + GradScaler, AdamW", flush=True)
+          f"batch {args.batch} x {args.seq}, {'bf16 autocast' if args.bf16 else 'fp16 autocast + GradScaler'}, "
+          f"AdamW", flush=True)
     for mode in args.modes.split(","):
         for le in (int(v) for v in args.layer_every.split(",")):
             for replay in args.replay.split(","):
