@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU lease's checks in priority order, each under its own timeout: the gpu-marked tests, then
-# bench/gpu_gpt2.py's modes (bf16 without a scaler too). At most 9.5 minutes on an H100 with inductor's caches empty (the compiled
-# modes spend most of theirs compiling); a lease is ~15 minutes of device time, its start included.
+# bench/gpu_gpt2.py's modes (bf16 without a scaler too). At most 9.5 minutes; with inductor's caches
+# empty the compiled modes spend most of theirs compiling. A lease is ~15 minutes of device time,
+# its start included.
 # Logs go to $OUT (the device tool's folder that comes back) or gpu-logs/.
 #
 # The device's Python has torch, transformers and pandas but not sqlite-utils: download it and its
