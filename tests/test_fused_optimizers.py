@@ -248,3 +248,34 @@ def test_a_fused_skip_read_a_step_late_names_its_micro_batch(tmp_path, monkeypat
     layers = [run.layers[run.layers.step == 7].sort_values("name")[layer_cols].reset_index(drop=True)
               for run in (late, now)]
     pd_testing.assert_frame_equal(layers[0], layers[1], check_exact=False, rtol=1e-4)
+
+
+def test_a_loop_that_raises_on_the_nan_it_saw_still_gets_that_step_localized(tmp_path, monkeypatch):
+    """A loop that raises on a non-finite loss closes the run with that step still held: close()
+    replays it, so the crashed run names the origin of the NaN that stopped it."""
+    import math
+    import warnings
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(FloatingPointError):
+        warnings.simplefilter("always")
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"), layer_every=5) as watch:
+            for i in range(4):
+                x, y = data(i)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x * (1e5 if i == 3 else 1)).float(), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                if not math.isfinite(loss.item()):
+                    assert watch._held is not None and watch._held.pack.step == 3
+                    raise FloatingPointError(f"loss is {loss.item()} at step {i}")
+    assert not [w for w in caught if "ampwatch" in str(w.message)]
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    assert run.info["status"] == "crashed"
+    assert list(run.steps["step"]) == [0, 1, 2, 3] and list(run.steps["skipped"]) == [False, False, False, True]
+    origin = run.events[run.events.origin]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[3, "0", "forward"]]

@@ -59,11 +59,22 @@ def hold(watch: Any, pack: StepPack, scalars: StepScalars) -> None:
 
 
 def settle(watch: Any) -> None:
-    """Read the held step's flag and hand its pack to the writer, replayed first if it skipped."""
+    """Read the held step's flag and hand its pack to the writer, replayed first if it skipped (if
+    the replay fails, the pack goes as it is, its skip still recorded, and the error is raised)."""
     held, watch._held = watch._held, None
     if not held.flag.read():  # sync point, where the device has usually passed it long ago
         watch.writer.put_step(held.pack)
         return
+    try:
+        pack = _replayed(watch, held)
+    except Exception:
+        watch.writer.put_step(held.pack)  # the step's row without what its replay would add
+        raise
+    watch.writer.put_step(pack)
+
+
+def _replayed(watch: Any, held: HeldStep) -> StepPack:
+    """The held step's pack with what its replay found: module values, events, gradient detail."""
     replayed: list = [None] * len(watch._params)
     current = watch.step
     watch.step = held.pack.step  # what the replay writes (notices) belongs to the held step
@@ -76,12 +87,10 @@ def settle(watch: Any) -> None:
         if detail is not None:
             scalars, detail_ids = extend_scalars(scalars, [("detail", detail)]), list(held.pack.norm_ids)
         flat, ready, loc = transfer_step(watch, scalars)  # the replay's module values
-        pack = dataclasses.replace(held.pack, flat=flat, ready=ready, loc=loc, layout=scalars.layout,
-                                   scalar_bytes=scalars.nbytes, pack_dtype=scalars.dtype,
-                                   detail_ids=detail_ids)
     finally:
         watch.step = current
-    watch.writer.put_step(pack)
+    return dataclasses.replace(held.pack, flat=flat, ready=ready, loc=loc, layout=scalars.layout,
+                               scalar_bytes=scalars.nbytes, pack_dtype=scalars.dtype, detail_ids=detail_ids)
 
 
 def _detail(watch: Any, held: HeldStep, replayed: list) -> Optional[torch.Tensor]:

@@ -645,8 +645,8 @@ class Watch:
         """Flush, mark the run ended and remove every hook and patch. Idempotent."""
         if self.closed:
             return
-        if getattr(self, "_held", None) is not None:  # the last step: settled (replayed) now
-            self.call_guarded(deferred.settle, self)
+        if getattr(self, "_held", None) is not None:  # the last step: settled (replayed) now, also on a
+            self.call_guarded(deferred.settle, self)   # crash: a loop may raise on the NaN it just saw
         self.closed = True
         _open_watches.discard(self)
         for handle in self._handles:
