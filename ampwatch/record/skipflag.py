@@ -1,9 +1,9 @@
 """A fused optimizer's skip, told to the host without waiting for the optimizer's own kernel.
 
 A fused optimizer (``AdamW(fused=True)``) skips inside its kernel: only the scaler's inf flag tells
-the host that a step was skipped, and a replay of that step must start before ``update()``.
-Reading the flag after ``scaler.step()`` (``.item()``) waits for all the work queued so far, the
-optimizer's kernel included, and the device then idles while the host launches the next step.
+the host that a step was skipped, and a replay of that step must start before the weights change.
+Reading the flag right after ``scaler.step()`` (``.item()``) waits for all the work queued so far,
+the optimizer's kernel included, and the device then idles while the host launches the next step.
 So the flag is copied to the host where it is made: when ``unscale_`` returns, or (no
 ``unscale_``) when the optimizer's step begins, after the scaler checked the gradients. An event
 marks that copy. A read waits for that event only, and the clip, the optimizer and ``update()``

@@ -429,7 +429,8 @@ class Watch:
 
     def _start_skip_flag(self) -> None:
         """Where a fused step's inf flag is made (unscale_ returned, or the optimizer's step begins):
-        send it to the host now, so that after_scaler_step waits for it and not for the optimizer."""
+        send it to the host now, so that its read (after_scaler_step, or a step late: deferred.py)
+        waits for it and not for the optimizer."""
         if (self._replays_fused_skips() and not self._skip_flag.started
                 and torch_access.scaler_enabled(self.scaler)):
             flag = torch_access.found_inf(self.scaler, self.optimizer)
