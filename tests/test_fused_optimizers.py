@@ -279,3 +279,17 @@ def test_a_loop_that_raises_on_the_nan_it_saw_still_gets_that_step_localized(tmp
     assert list(run.steps["step"]) == [0, 1, 2, 3] and list(run.steps["skipped"]) == [False, False, False, True]
     origin = run.events[run.events.origin]
     assert origin[["step", "module", "phase"]].values.tolist() == [[3, "0", "forward"]]
+
+
+def test_a_step_that_keeps_large_output_gradients_is_read_within_itself(tmp_path, monkeypatch):
+    """Holding a step keeps its output gradients through the next forward, where memory peaks:
+    above deferred.HOLD_AT_MOST_BYTES (here 0) no step is held, and the skip is localized all the same."""
+    from ampwatch.record import deferred
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    monkeypatch.setattr(deferred, "HOLD_AT_MOST_BYTES", 0)
+    truth, _, held = _bad_batch_run(tmp_path / "run.sqlite", 5, False)
+    assert held == [] and truth == [i == 7 for i in range(12)]
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    assert list(run.steps["skipped"]) == truth
+    origin = run.events[run.events.origin]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[7, "0", "forward"]]

@@ -18,7 +18,8 @@ next step's.
 
 What it costs: the kept micro-batches (references to the inputs and to the gradients the outputs
 received) live one step longer, through the next step's forward and backward, so peak memory
-holds one more output gradient when the loss is computed outside the model; and a step's row reaches
+holds one more output gradient when the loss is computed outside the model (a step whose kept
+gradients pass ``HOLD_AT_MOST_BYTES`` is read within itself instead); and a step's row reaches
 the file a step later. The step before a ``layer_every`` step is read within its own step, as
 before (the next step's module observation would mix with its replay's).
 """
@@ -45,11 +46,24 @@ class HeldStep:
     batches: list     # the replayer's kept micro-batches (Replayer.hand_over)
 
 
+# Held output gradients stay alive through the next step's forward, where memory peaks: a step
+# that kept more than this (a large vocabulary's logits with the loss computed outside the model)
+# is read within itself instead, paying the wait rather than the memory
+HOLD_AT_MOST_BYTES = 256 * 2 ** 20
+
+
 def may_hold(watch: Any) -> bool:
     """Whether the step now ending can be settled at the next step's optimizer step: a fused step
-    with skips replayed, on a device path, nothing else held, the next step no ``layer_every`` step."""
+    with skips replayed, on a device path, nothing else held, the next step no ``layer_every`` step,
+    and its kept output gradients within :data:`HOLD_AT_MOST_BYTES`."""
     return (watch._held is None and not watch._reads_free
-            and (watch.step + 1) % watch.options["layer_every"] != 0)
+            and (watch.step + 1) % watch.options["layer_every"] != 0
+            and kept_bytes(watch.replayer.batches) <= HOLD_AT_MOST_BYTES)
+
+
+def kept_bytes(batches: list) -> int:
+    """Bytes of the output gradients a step's micro-batches keep (their inputs are the loop's own)."""
+    return sum(g.numel() * g.element_size() for batch in batches for g in batch.grads.values())
 
 
 def hold(watch: Any, pack: StepPack, scalars: StepScalars) -> None:
