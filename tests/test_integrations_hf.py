@@ -112,7 +112,9 @@ def test_run_info_names_the_framework_and_keeps_training_arguments(precision_run
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
-def test_grad_scaler_path_skips_agree_with_parameters_and_accelerate(tmp_path, optim):
+def test_grad_scaler_path_skips_agree_with_parameters_and_accelerate(tmp_path, optim, record_path):
+    """On both record paths: on the accelerator path a fused step's skip is read a step late and
+    every skipped step of the storm is replayed (deferred.py), through accelerate's own loop."""
     truth = StepTruth()
     callback = AmpwatchCallback(str(tmp_path / "run.sqlite"))
     trainer = make_trainer(tmp_path, [callback, truth], steps=10, fp16=True, optim=optim)
@@ -135,6 +137,51 @@ def test_grad_scaler_path_skips_agree_with_parameters_and_accelerate(tmp_path, o
     assert len(finite) >= 4
     assert [s.grad_norm for s, _ in finite] == pytest.approx([g for _, g in finite], rel=1e-4)
     assert scaler.__dict__.keys().isdisjoint({"scale", "unscale_", "step", "update"}), "patches removed"
+    if record_path == "accelerator":  # each skipped step replayed: localized, not given up on
+        assert "replay-not-reproduced" not in set(run.notices["code"])
+
+
+def test_a_fused_trainer_storm_read_a_step_late_records_what_reading_each_step_records(tmp_path, monkeypatch):
+    """Through accelerate's loop, on the accelerator path, with AdamW(fused=True): skips read at the
+    next step's optimizer step (deferred.py) give the same rows as reading each in its own step."""
+    from ampwatch.record import deferred
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    class Held(transformers.TrainerCallback):  # the step a watch still holds unread, after each step
+        def __init__(self, recorder):
+            self.recorder, self.steps = recorder, []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            held = self.recorder.watch._held if self.recorder.watch is not None else None
+            if held is not None:
+                self.steps.append(held.pack.step)
+
+    runs = {}
+    for name, limit in (("late", deferred.HOLD_AT_MOST_BYTES), ("now", -1)):  # -1: no step is held
+        monkeypatch.setattr(deferred, "HOLD_AT_MOST_BYTES", limit)
+        truth, recorder = StepTruth(), AmpwatchCallback(str(tmp_path / f"{name}.sqlite"))
+        held = Held(recorder)
+        trainer = make_trainer(tmp_path / name, [recorder, truth, held], steps=10, fp16=True,
+                               optim="adamw_torch_fused")
+        truth.trainer = trainer
+        use_cpu_grad_scaler(trainer)
+        trainer.train()
+        runs[name] = (ampwatch.load(tmp_path / f"{name}.sqlite"), truth.skipped, held.steps)
+    (late, late_truth, late_held), (now, now_truth, now_held) = runs["late"], runs["now"]
+    assert late_held == list(range(1, 10)) and now_held == []  # step 0 observes modules
+    assert late_truth == now_truth and list(late.steps["skipped"]) == late_truth and 3 <= sum(late_truth) < 10
+    # the Trainer clips: read in its own step, a skipped step's gradient detail is taken after the
+    # clip multiplied every gradient by NaN; read a step late, from the replay's, as backward made
+    # them. The module values and which gradients were non-finite are the same
+    cols = ["step", "phase", "module", "kind", "count", "amax", "origin", "micro_batch"]
+    modules = [run.events[run.events.phase != "param_grad"].sort_values(["step", "phase", "module"])[cols]
+               .reset_index(drop=True) for run in (late, now)]
+    assert (modules[0]["phase"] == "backward").any()  # a replay's module values, not only the norms
+    import pandas.testing
+    pandas.testing.assert_frame_equal(modules[0], modules[1], check_exact=False, rtol=1e-5)
+    grads = [sorted(map(tuple, run.events[run.events.phase == "param_grad"][["step", "module"]].values))
+             for run in (late, now)]
+    assert grads[0] == grads[1] and grads[0]
+    assert sorted(set(late.modules["step"])) == sorted(set(now.modules["step"]))
 
 
 def test_injected_fault_is_localized_to_its_module(tmp_path):
