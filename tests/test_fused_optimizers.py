@@ -85,6 +85,23 @@ def test_fused_optimizer_under_lightning_16_mixed(tmp_path):
     assert [r for r, _ in pairs] == pytest.approx([t for _, t in pairs], rel=1e-4)
 
 
+def _fused_step(model, opt, scaler, x, y, clip, accum=1) -> bool:
+    """One fp16 GradScaler step of ``accum`` micro-batches (unscale_ + clip when ``clip``); whether
+    it left the parameters unchanged (skipped), by snapshot."""
+    before = snapshot(model)
+    for xb, yb in zip(x.chunk(accum), y.chunk(accum)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(xb).float(), yb) / accum
+        scaler.scale(loss).backward()
+    if clip:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return not changed(before, model)
+
+
 @pytest.mark.parametrize("clip", [False, True], ids=["no-unscale", "unscale-and-clip"])
 def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, monkeypatch, clip):
     """On the accelerator path a fused optimizer's skip is read from the scaler's inf flag and the
@@ -105,17 +122,7 @@ def test_a_fused_skip_is_replayed_and_healthy_steps_observe_nothing(tmp_path, mo
         for i in range(12):
             state["step"] = i
             x, y = data(i)
-            before = snapshot(model)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            if clip:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            skipped.append(not changed(before, model))
+            skipped.append(_fused_step(model, opt, scaler, x, y, clip))
     run = ampwatch.load(watch.path)
     assert skipped == [i == fault_step for i in range(12)]  # the truth: only the fault step skipped
     assert list(run.steps["skipped"]) == skipped
@@ -143,18 +150,7 @@ def _bad_batch_run(path, layer_every, clip, fault_step=7, steps=12, watched=True
             size = -(-len(x) // accum)  # x.chunk(accum)'s chunk size
             part = slice(size, 2 * size) if accum > 1 else slice(None)
             x[part] *= mult
-        before = snapshot(model)
-        for xb, yb in zip(x.chunk(accum), y.chunk(accum)):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(model(xb).float(), yb) / accum
-            scaler.scale(loss).backward()
-        if clip:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        skipped.append(not changed(before, model))
+        skipped.append(_fused_step(model, opt, scaler, x, y, clip, accum))
         if watch is not None and watch._held is not None:
             held.append(watch._held.pack.step)
     if watch is not None:

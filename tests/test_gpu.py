@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampwatch
+from helpers.loops import bf16_fault_run
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -102,32 +103,7 @@ def test_fused_adamw_overflow_on_cuda_is_replayed_to_its_module(tmp_path):
 
 def _bf16_cuda_run(path, fault_step, watched):
     """bf16 autocast on CUDA, no scaler, the loss through watch.log: module 2's output is inf once."""
-    torch.manual_seed(0)
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    state = {"step": 0}
-    model[2].register_forward_hook(lambda m, i, o: o * float("inf") if state["step"] == fault_step else o)
-    watch = ampwatch.attach(model, opt, None, path=str(path), layer_every=5) if watched else None
-    g = torch.Generator(device="cuda").manual_seed(1)
-    losses = []
-    for i in range(8):
-        state["step"] = i
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.mse_loss(model(torch.randn(16, 32, device="cuda", generator=g)).float(),
-                              torch.zeros(16, 8, device="cuda"))
-        loss.backward()
-        if watch is not None:
-            watch.log(loss=loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().clone())
-        if i == fault_step:  # repair the weights the NaN step wrote, so training goes on
-            with torch.no_grad():
-                for prm in model.parameters():
-                    prm.nan_to_num_(0.0)
-    if watch is not None:
-        watch.close()
-    return losses, [prm.detach().clone() for prm in model.parameters()]
+    return bf16_fault_run(_net(), path, fault_step, watched, steps=8, batch=16, device="cuda")
 
 
 def test_bf16_nan_on_cuda_is_localized_on_its_own_step_and_training_is_unchanged(tmp_path):

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampwatch
-from helpers.loops import Amplify, amp_step
+from helpers.loops import Amplify, amp_step, bf16_fault_run
 
 EVENT_COLS = ["step", "phase", "module", "kind", "origin", "micro_batch", "amax", "dtype"]
 
@@ -329,29 +329,7 @@ def _bf16_run(path, fault_step, watched):
     """bf16 autocast, no scaler, the loss through watch.log: one module's output is inf at one step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    state = {"step": 0}
-    model[2].register_forward_hook(lambda m, i, o: o * float("inf") if state["step"] == fault_step else o)
-    watch = ampwatch.attach(model, opt, None, path=str(path), layer_every=5) if watched else None
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for i in range(12):
-        state["step"] = i
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.mse_loss(model(torch.randn(8, 16, generator=g)).float(), torch.zeros(8, 4))
-        loss.backward()
-        if watch is not None:
-            watch.log(loss=loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().clone())
-        if i == fault_step:  # repair the weights the NaN step wrote, so training goes on
-            with torch.no_grad():
-                for prm in model.parameters():
-                    prm.nan_to_num_(0.0)
-    if watch is not None:
-        watch.close()
-    return losses, [prm.detach().clone() for prm in model.parameters()]
+    return bf16_fault_run(model, path, fault_step, watched, steps=12, batch=8)
 
 
 def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path, record_path):

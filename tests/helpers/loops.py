@@ -93,3 +93,36 @@ def train(steps: int, *, scaler_factory: Optional[Callable] = None, attach: Opti
     if watch is not None:
         watch.close()
     return model, watch, applied
+
+
+def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, steps: int, batch: int,
+                   device: str = "cpu") -> tuple[list, list]:
+    """bf16 autocast, no scaler, SGD, the loss through ``watch.log``: module "2"'s output is inf
+    at ``fault_step`` (the weights that step wrote are repaired after it, so training goes on).
+    Returns each step's loss and the final parameters."""
+    import ampwatch
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    state = {"step": 0}
+    model[2].register_forward_hook(lambda m, i, o: o * float("inf") if state["step"] == fault_step else o)
+    watch = ampwatch.attach(model, opt, None, path=str(path), layer_every=5) if watched else None
+    g = torch.Generator(device=device).manual_seed(1)
+    n_in, n_out = model[0].in_features, model[-1].out_features
+    losses = []
+    for i in range(steps):
+        state["step"] = i
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = model(torch.randn(batch, n_in, device=device, generator=g))
+            loss = F.mse_loss(out.float(), torch.zeros(batch, n_out, device=device))
+        loss.backward()
+        if watch is not None:
+            watch.log(loss=loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+        if i == fault_step:
+            with torch.no_grad():
+                for prm in model.parameters():
+                    prm.nan_to_num_(0.0)
+    if watch is not None:
+        watch.close()
+    return losses, [prm.detach().clone() for prm in model.parameters()]
