@@ -63,8 +63,11 @@ class Variant:
         self.loss_inside = loss_inside
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not watched):
+        if watched:
             self.step()
+        else:  # torch's default guards, as in a process without ampwatch (a watch's fallback turns them off)
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+                self.step()
         torch.cuda.synchronize()
         self.first_s = time.perf_counter() - t0
         self.block_ms: list[float] = []
@@ -121,8 +124,8 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], arg
             layer_every: int, replay: bool = True, fused: bool = False, loss_inside: bool = False) -> None:
     folder = tempfile.mkdtemp()
     bf16 = args.bf16
-    # the watched copy first: attaching to a model whose class an earlier configuration compiled
-    # resets Dynamo's caches, which would make the unwatched copy compile again under hook guards
+    # the watched copy first: attaching drops the graphs Dynamo cached for the model's classes
+    # (record/compiled.py), which would make an unwatched copy compiled before it compile again
     watched = Variant(base, True, compiled, x, folder, layer_every, replay, fused, bf16, loss_inside)
     plain = Variant(base, False, compiled, x, folder, fused=fused, bf16=bf16, loss_inside=loss_inside)
     for v in (plain, watched):

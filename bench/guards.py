@@ -1,20 +1,20 @@
 """What Dynamo's guards cost per call of a compiled model, with and without ampwatch.
 
 Before it runs a compiled graph, Dynamo checks the graph's guards: that the model, its modules,
-their flags and the inputs are still what the graph was traced for. ampwatch adds to them: it turns
-on torch's guards on module hooks (``skip_nnmodule_hook_guards = False``: without them a graph
-traced for an unwatched twin of the model's class could run for the watched model, or the graph of
-a step between observed ones on an observed step; see docs/localization.md), and a graph it traced
-with hooks in checks the hooks too. This is process-wide: every model compiled after an attach
-checks its hooks, and so do ``bench/hostcost.py``'s base copies, which run in the same process as
-the watched ones; its compiled rows therefore leave this cost out.
+their flags and the inputs are still what the graph was traced for. A watch that observes modules
+wraps the model's forward (ampwatch/record/compiled.py): its graphs are cached under a code object of
+their own and told apart by one flag, observed steps or not, and torch's default guards stay for
+every compiled model of the process. Only when that split cannot hold (a graph break inside the
+model, its forward replaced over the wrapper) does the watch fall back to torch's guards on module
+hooks (``skip_nnmodule_hook_guards = False``), process-wide: every model compiled after that checks
+every module's hook dicts, and so did every compiled model of the process once an observing watch
+attached, before the split.
 
 Measured here on GPT-2 small's module tree (``bench/hostcost.py``'s model) by timing the guard check
 of the compiled forward itself (``guard_manager.check`` on the frame's own locals, the call Dynamo
 makes before every run of the graph), median of many, for: an unwatched model under torch's
-default guards, the same with hook guards on, and a watched model's two graphs (the one between
-observed steps, and the observed one), and a model watched with ``localize=False``, before any
-observing watch attached. Dynamo builds the guards, not the backend: ``aot_eager``
+default guards, the same with hook guards on (what the fallback costs), a watched model's two graphs
+(the one between observed steps, and the observed one), and a model watched with ``localize=False``. Dynamo builds the guards, not the backend: ``aot_eager``
 compiles fastest and checks the same guards as inductor.
 
 A guard check run in a tight loop is the floor: inside a training step, between a forward and
@@ -162,8 +162,8 @@ def main() -> None:
     watch.close()
 
     torch._dynamo.reset()
-    torch._dynamo.config.skip_nnmodule_hook_guards = False  # what an observing watch sets for the process
-    unwatched("unwatched, hook guards on (after an observing watch attached in the process)")
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):  # what the fallback sets, process-wide
+        unwatched("unwatched, hook guards on (what a watch's fallback turns on)")
     torch._dynamo.reset()
 
     model, x = model_and_batch()
@@ -173,7 +173,9 @@ def main() -> None:
     watch = ampwatch.attach(model, opt, scaler, path=f"{tempfile.mkdtemp()}/run.sqlite", layer_every=every)
     net = torch.compile(model, backend="aot_eager")
     train(net, model, x, opt, scaler, every + 1)  # both graphs compiled; the next step observes nothing
-    code = type(model).forward.__code__
+    if watch.observer._split.guarded:
+        raise RuntimeError("the watch fell back to guards on every hook dict: not what this measures")
+    code = model.__dict__["forward"].func.__code__  # the wrapper's own code object, where its graphs are
     f_locals = frame_locals(model, x, code)  # eager call of the model: between observed steps, no hook runs
     rows.append(("watched, a step between observed ones", check_time(passing_entry(code, f_locals), f_locals)))
     watch.observer.set_observing(True)  # the hooks in, as on a layer_every step

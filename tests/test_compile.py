@@ -230,14 +230,15 @@ class BrokenBlock(nn.Module):
         return self.act(h)
 
 
-def _broken_run(tmp_path, watched, steps=4):
+def _broken_run(tmp_path, watched, steps=4, layer_every=1):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = nn.Sequential(*[BrokenBlock() for _ in range(10)], nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "broken.sqlite"), layer_every=1) if watched else None
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "broken.sqlite"),
+                            layer_every=layer_every) if watched else None
     net = torch.compile(model, backend="aot_eager")
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     losses = _train(net, (opt, scaler), x, steps)
@@ -414,6 +415,12 @@ def test_an_unwatched_instance_of_the_same_class_shares_no_graph_with_the_watche
     assert fc1.amax.max() < 10 * ref
 
 
+def _own_code(model):
+    """The code object the watched model's graphs are cached under: its forward's wrapper's
+    (record/compiled.py)."""
+    return model.__dict__["forward"].func.__code__
+
+
 def _observed_steps(path, module="fc1"):
     modules = ampwatch.load(path).modules
     return sorted(modules[(modules.module == module) & (modules.phase == "forward")].step)
@@ -484,6 +491,7 @@ def test_compiled_micro_batches_are_localized_like_eager(tmp_path, monkeypatch):
         g = torch.Generator().manual_seed(3)
         with ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"mb{compiled}.sqlite"), layer_every=2) as watch:
             net = torch.compile(model, backend="inductor") if compiled else model
+            code = _own_code(model)
             for step in range(6):
                 for mb in range(3):
                     x = torch.randn(8, 16, generator=g)
@@ -496,7 +504,7 @@ def test_compiled_micro_batches_are_localized_like_eager(tmp_path, monkeypatch):
                 scaler.update()
                 opt.zero_grad()
         if compiled:
-            assert len(_debug_get_cache_entry_list(Net.forward.__code__)) == 2
+            assert len(_debug_get_cache_entry_list(code)) == 2
         events = ampwatch.load(watch.path).events
         found[compiled] = sorted(events[events.phase == "forward"][["step", "module", "micro_batch"]]
                                  .itertuples(index=False, name=None))
@@ -504,15 +512,84 @@ def test_compiled_micro_batches_are_localized_like_eager(tmp_path, monkeypatch):
     assert found[True] == found[False]
 
 
-def test_only_module_observation_turns_on_dynamos_hook_guards(tmp_path):
-    """The guards on module hooks are what keep a graph traced without ampwatch's hooks off an
-    observed step; they cost every compiled model of the process a check per module hook dict on
-    every call. Without module observation (localize=False) no graph holds anything of ampwatch's,
-    and torch's default stays."""
+def test_a_model_compiled_as_one_graph_turns_on_no_hook_guards(tmp_path, monkeypatch):
+    """Between observed steps the watched model runs a graph traced without ampwatch's hooks. Dynamo's
+    guards tell it from the observed step's graph by the flag its forward's wrapper reads, so torch's
+    default (no guard on an empty hook dict) stays for every compiled model of the process (guards on
+    every hook dict cost ~0.19 ms a forward on GPT-2 small's tree, bench/guards.py). Observed steps are
+    still observed inside the graph, with two graphs over the run, and the model's forward and its
+    signature are its own again after close."""
+    import inspect
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: hooks off between
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(8, 16)
+    model = Net()
+    signature = inspect.signature(model.forward)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "w.sqlite"), layer_every=3) as watch:
+            assert inspect.signature(model.forward) == signature  # HF's Trainer picks dataset columns by it
+            net = torch.compile(model, backend="aot_eager")
+            _train(net, (opt, scaler), x, 7)
+            graphs = len(_debug_get_cache_entry_list(_own_code(model)))
+            assert torch._dynamo.config.skip_nnmodule_hook_guards is True
+            assert not watch.observer._split.guarded
+    assert graphs == 2 and dict(counters["graph_break"]) == {}
+    assert _observed_steps(watch.path) == [0, 3, 6]
+    assert "forward" not in model.__dict__ and inspect.signature(model.forward) == signature
+
+
+def test_a_graph_break_inside_the_watched_model_falls_back_to_guards_on_every_hook_dict(tmp_path, monkeypatch):
+    """A graph break inside the model makes Dynamo compile its blocks' forwards as frames of their
+    own, which the wrapper's flag does not reach: a block's graph traced between observed steps,
+    without the hooks, would run on the next observed step and nothing inside it would be observed.
+    The watch sees those frames before the observed step and turns on the guards on every hook dict
+    (with Dynamo's caches reset): every observed step observes the modules inside the blocks, and
+    training is bitwise unchanged."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    _, plain_losses, _ = _broken_run(tmp_path, watched=False, steps=7)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        run_, losses, _ = _broken_run(tmp_path, watched=True, steps=7, layer_every=3)
+        assert torch._dynamo.config.skip_nnmodule_hook_guards is False
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
+    for inner in ("0.fc", "4.act", "9.fc"):
+        assert _observed_steps(run_.path, inner) == [0, 3, 6]
+
+
+def test_a_forward_replaced_over_the_wrapper_falls_back_to_guards_on_every_hook_dict(tmp_path, monkeypatch):
+    """Code that wraps ``model.forward`` after attach (as Accelerate does) hides the wrapper's code
+    object from Dynamo: the watch falls back to the guards on every hook dict on its next observed
+    step, and every observed step is observed."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    torch._dynamo.reset()
+    x = torch.randn(8, 16)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
-        with ampwatch.attach(model, opt, None, path=str(tmp_path / "nl.sqlite"), localize=False):
-            assert torch._dynamo.config.skip_nnmodule_hook_guards is True
-        with ampwatch.attach(model, opt, None, path=str(tmp_path / "l.sqlite")):
-            assert torch._dynamo.config.skip_nnmodule_hook_guards is False
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "w.sqlite"), layer_every=2) as watch:
+            inner = model.forward
+
+            def forward(batch):
+                return inner(batch) * 1.0
+            model.forward = forward
+            net = torch.compile(model, backend="aot_eager")
+            _train(net, (opt, scaler), x, 5)
+            assert watch.observer._split.guarded and torch._dynamo.config.skip_nnmodule_hook_guards is False
+    assert _observed_steps(watch.path) == [0, 2, 4]
+    assert model.__dict__["forward"] is forward  # theirs stays
+
+
+def test_only_module_observation_wraps_the_forward(tmp_path):
+    """Without module observation (localize=False) no graph holds anything of ampwatch's: the
+    model's forward stays its own."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with ampwatch.attach(model, opt, None, path=str(tmp_path / "nl.sqlite"), localize=False):
+        assert "forward" not in model.__dict__
+    with ampwatch.attach(model, opt, None, path=str(tmp_path / "l.sqlite")):
+        assert "forward" in model.__dict__
+    assert "forward" not in model.__dict__

@@ -31,3 +31,24 @@ def test_each_rank_records_its_own_file(tmp_path):
     # the norm is measured after DDP's all-reduce has finished (its callback runs before ours), so
     # the ranks, which see different data, agree on it too
     assert a["grad_norm"].tolist() == pytest.approx(b["grad_norm"].tolist(), rel=1e-5, nan_ok=True)
+
+
+def test_a_compiled_ddp_model_is_observed_on_the_steps_eager_observes(tmp_path):
+    """DDP under ``torch.compile``, attached to the DDP module: Dynamo cannot trace DDP's own forward
+    and runs parts of it eagerly around the compiled model. Each rank must still observe the modules
+    inside the model on the steps the same eager run observes them (every ``layer_every`` step, and
+    the replays of skipped steps): a graph traced between observed steps, without the hooks, must
+    not run on one."""
+    worker = Path(__file__).parent / "helpers" / "ddp_worker.py"
+    steps = {}
+    for how in ("eager", "compiled"):
+        proc = subprocess.run([sys.executable, str(worker), str(tmp_path), free_port(), how],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        for rank in (0, 1):
+            modules = ampwatch.load(tmp_path / f"ddp{how}.rank{rank}.sqlite").modules
+            forward = modules[modules.phase == "forward"]
+            steps[how, rank] = {name: sorted(forward[forward.module == name].step) for name in set(forward.module)}
+    for rank in (0, 1):
+        assert steps["compiled", rank] == steps["eager", rank]
+        assert {0, 3, 6} <= set(steps["eager", rank]["module.0"]) and len(steps["eager", rank]) >= 4

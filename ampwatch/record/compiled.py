@@ -1,43 +1,131 @@
 """torch.compile and the recorder's hooks: which module to hook, and keeping Dynamo's graph cache
-honest about them (a graph traced without the hooks must never run for a watched model)."""
+honest about them (a graph traced without the hooks must never run on an observed step, and a
+graph traced with them never for another model).
+
+Between ``layer_every`` steps the module hooks are out of their dicts (observe.py), so a compiled
+model traces a graph without them, the same graph it traces without ampwatch; an observed step puts
+them back and needs the graph traced with them. By default Dynamo does not guard on empty hook dicts
+(``skip_nnmodule_hook_guards``), so it would run the graph without hooks there too. Turning that
+default off makes every compiled model of the process check every module's hook dicts before each
+call: ~0.19 ms a forward on GPT-2 small's tree (bench/guards.py), paid on every step.
+
+Instead the watched model's ``forward`` becomes a wrapper (:class:`GraphSplit`) that reads one
+flag, on only on observed steps, and calls the forward it replaced. Dynamo compiles the wrapper's
+frame, and its guards check the flag: one check per call, and the graph between observed steps is
+otherwise the graph the model traces without ampwatch. Each watched model's wrapper runs under a
+code object of its own, and Dynamo caches graphs per code object, so another instance of the
+model's class (a twin: an EMA copy, an eval model) never shares a graph with the watched one.
+
+That holds while the whole model is one frame. A graph break inside the model makes Dynamo compile
+the forwards of its classes as frames of their own, cached with every instance of the class and not
+guarded on the flag; the model's forward may also be replaced over the wrapper. Either way the split
+sees it on the next observed step (graphs cached for the model's classes, or its forward no longer
+the wrapper) and falls back, once, to guards on every hook dict, with Dynamo's caches reset.
+"""
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
+
+from . import copies
 
 
 def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile(model)`` returns an OptimizedModule: hook the module it compiles, so the hooks
-    are traced into its graph (on its next call Dynamo recompiles once with them)."""
+    are traced into its graph."""
     return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
 
 
 def guard_module_hooks() -> None:
-    """Make Dynamo guard on module hooks from now on. By default it does not
-    (``skip_nnmodule_hook_guards``): code compiled for another instance of the same class, say an
-    unwatched copy of the model, would then be reused for this one with none of ampwatch's hooks in
-    it, and nothing inside the model would be observed. The guards cost a few identity and length
-checks per module per call (observe._hooks keeps them few)."""
+    """Make Dynamo guard on module hooks from now on, for every compiled model of the process. By
+    default it does not guard empty hook dicts (``skip_nnmodule_hook_guards``): a graph traced
+    without hooks would go on running after hooks were added."""
     config = getattr(getattr(torch, "_dynamo", None), "config", None)
     if config is not None and hasattr(config, "skip_nnmodule_hook_guards"):
         config.skip_nnmodule_hook_guards = False
 
 
-def forget_graphs_without_hooks(model: torch.nn.Module) -> bool:
-    """Drop graphs Dynamo compiled for this model's classes before the hooks existed; True if any.
+class Flag:
+    """What the wrapper's graphs guard on: ``on`` only on observed steps (and replays)."""
 
-    Dynamo caches a graph per code object (``forward`` of the model's class), so a graph traced
-    before attach, for this model or for another instance of its class, has no module hook in it
-    and, compiled without hook guards (torch's default), would go on running for the watched model
-    with nothing inside it observed. Graphs compiled from now on guard on hooks
-    (:func:`guard_module_hooks`) and on each hooked module's identity (observe._hooks), so a reset
-    is needed once, and only when such a graph exists. It resets every compiled function of the
-    process (each recompiles once on its next call)."""
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+
+def _forward(flag: Flag, forward: Any, /, *args: Any, **kwargs: Any) -> Any:
+    # the template of each model's wrapper. Dynamo guards on the branch: one graph per value of
+    # flag.on, compiled the first time each is seen, and nothing of ampwatch in the graph when off
+    if flag.on:
+        return forward(*args, **kwargs)
+    return forward(*args, **kwargs)
+
+
+def _cache_entries(code: Any) -> int:
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return False
-    codes = {getattr(type(m).forward, "__code__", None) for m in model.modules()}
-    if any(_debug_get_cache_entry_list(code) for code in codes if code is not None):
+    except ImportError:  # pragma: no cover - very old torch: assume graphs exist
+        return 1
+    return len(_debug_get_cache_entry_list(code))
+
+
+def _forget(codes: set) -> None:
+    """Drop the graphs Dynamo cached for these code objects (every instance's), or all of them."""
+    reset_code = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    reset_code = getattr(reset_code, "reset_code", None)
+    if reset_code is None:  # pragma: no cover - torch without it
         torch._dynamo.reset()
-        return True
-    return False
+        return
+    for code in codes:
+        reset_code(code)
+
+
+class GraphSplit:
+    """The watched root's ``forward`` wrapped so compiled graphs tell observed steps from the others
+    by one flag (module docstring). In eager it costs one Python call per forward of the root."""
+
+    def __init__(self, root: torch.nn.Module, on: bool) -> None:
+        self.root = root
+        self.flag = Flag(on)
+        self.guarded = False  # fell back to Dynamo's guards on every hook dict
+        # the forwards Dynamo would compile as frames of their own after a graph break
+        self._codes = {code for m in root.modules()
+                       if (code := getattr(getattr(type(m), "forward", None), "__code__", None)) is not None}
+        # graphs cached for them before attach were traced without the hooks, for this model or a
+        # twin: dropped, so any found later were compiled since (a graph break, or a twin)
+        if any(_cache_entries(code) for code in self._codes):
+            _forget(self._codes)
+        template = _forward.__code__
+        own = types.FunctionType(template.replace(), _forward.__globals__, "forward")  # a code object of its own
+        state = root.__dict__
+        current = root.forward  # the class's bound forward, or an instance forward set before us
+        self.wrapper = copies.patch(state.get("forward", copies.MISSING), own, self.flag, current)
+        self.wrapper.__wrapped__ = current  # inspect.signature(model.forward) reads the model's own
+        state["forward"] = self.wrapper  # straight into __dict__: nn.Module.__setattr__ has no say
+
+    def set(self, on: bool) -> None:
+        """Flag this step observed or not; before an observed step, check the split still holds."""
+        self.flag.on = on
+        if on and not self.guarded and self._broken():
+            self.fall_back()
+
+    def _broken(self) -> bool:
+        return self.root.__dict__.get("forward") is not self.wrapper or any(
+            _cache_entries(code) for code in self._codes)
+
+    def fall_back(self) -> None:
+        """Guard every hook dict from now on, and drop every graph traced without those guards."""
+        self.guarded = True
+        guard_module_hooks()
+        torch._dynamo.reset()
+
+    def remove(self) -> None:
+        """Put back the forward the wrapper replaced (unless someone replaced the wrapper since)."""
+        state = self.root.__dict__
+        if state.get("forward") is self.wrapper:
+            if self.wrapper.previous is copies.MISSING:
+                del state["forward"]
+            else:
+                state["forward"] = self.wrapper.previous
+        self.flag.on = False

@@ -58,6 +58,7 @@ import torch
 
 from . import torch_access
 from .batched import BatchedReducer
+from .compiled import GraphSplit
 from .copies import ours
 from .hoststats import HostQueue, HostStats
 from .slots import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
@@ -313,6 +314,9 @@ class ModuleObserver:
         # step is localized by replaying it (replay.py). Read at run time, never traced: the
         # compiled graph stays one graph
         self.observing = True
+        # the root's forward wrapped so a compiled model's graphs tell observed steps apart by one
+        # flag instead of guards on every hook dict (compiled.py)
+        self._split = GraphSplit(modules[0], self.observing)
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
         self._taken: list[list[tuple[dict, int, Any]]] = []  # their entries, taken out while not _hooked
@@ -361,12 +365,13 @@ class ModuleObserver:
         call (1.05x on GPT-2 small's tree, bench/hostcost.py). Under torch.compile, Dynamo checks
         every hooked module's hooks and what the hooks read (the module's identity, its index, its
         ``training`` flag) before each call of the graph: ~20 guards a module, +0.5 ms a step on
-        GPT-2 small's tree, where the graph traced without the hooks guards only that the hook
-        dicts are empty. Taking the hooks out and putting the very same entries back (keys and hooks:
-        ``torch_access.unhook``; on that tree 0.05 ms out, 0.02 ms back in, where registering anew
-        took 0.25-0.8 ms) costs no recompile: Dynamo keeps both graphs (the one with the hooks compiled once, on the
-        first observed step) and its guards check each hook by position and identity."""
+        GPT-2 small's tree, where the graph traced without the hooks guards only the flag of the
+        forward's wrapper (compiled.py). Taking the hooks out and putting the very same entries back
+        (keys and hooks: ``torch_access.unhook``; on that tree 0.05 ms out, 0.02 ms back in, where
+        registering anew took 0.25-0.8 ms) costs no recompile: Dynamo keeps both graphs (the one with
+        the hooks compiled once, on the first observed step)."""
         self.observing = on
+        self._split.set(on and self.active)
         if not self.active or on == self._hooked:
             return
         self._hooked = on
@@ -562,6 +567,7 @@ class ModuleObserver:
         self.active = False
         self._hooked = False
         self._taken = []
+        self._split.remove()
         _OBSERVERS.pop(self._id, None)
         self._batch.clear()
         for handle in self._handles:

@@ -25,7 +25,7 @@ import torch
 from . import clipping, torch_access
 
 from .backward import BackwardEnd
-from .compiled import forget_graphs_without_hooks, guard_module_hooks, uncompiled
+from .compiled import uncompiled
 from .recompute import check_step
 from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
 from .options import resolve
@@ -182,15 +182,6 @@ class Watch:
 
     def _install(self) -> None:
         opt, model = self.optimizer, uncompiled(self.model)
-        if self.observer is not None:
-            # only module observation needs them: its two graphs, and a twin's graph kept from an
-            # observed step. Without it (localize=False) nothing of ampwatch is in any graph, so a
-            # twin's graph may run for the watched model unchanged, and no compiled model of the
-            # process pays them (~50 us a call on GPT-2 small's tree, bench/guards.py)
-            guard_module_hooks()
-        if self.observer is not None and forget_graphs_without_hooks(model):
-            log.info("the model (or another instance of its class) was compiled before ampwatch attached: "
-                     "torch.compile's caches were reset, so its next call is traced with ampwatch's hooks")
         self._copy_safe = copies.leave_out_of_copies(model.modules())
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
