@@ -24,9 +24,10 @@ leaves: a ratio is only as good as ``base again``'s distance from 1.
 Compiled, the base copies are what a user without ampwatch runs, and the ``localize=False`` copies
 what a user of that option runs: their graphs are traced under torch's default guards and cached
 apart from the observing copies' (their class's ``forward`` runs under a code object of its own).
-A watch that observes modules turns on Dynamo's guards on module hooks for the whole process
-(docs/localization.md), so copies compiled beside observing ones would otherwise pay those guards
-too (~50 us a call on this tree, ``bench/guards.py``): the base would hide them from the table.
+A watch that observes modules may turn on Dynamo's guards on module hooks for the whole process,
+as a fallback (a graph break inside the model, docs/localization.md); copies compiled beside such a
+watch would pay those guards too (~50 us a call on this tree, ``bench/guards.py``) and hide them
+from the table, so these copies compile under torch's default whatever the process has set.
 
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
@@ -144,7 +145,7 @@ class Variant:
 
     def compile_steps(self, n: int) -> None:
         """The first steps, which compile: a copy without module observation under torch's default
-        guards (an observing watch turned on the hook guards process-wide; guards are built when a
+        guards (a watch's fallback turns on the hook guards process-wide; guards are built when a
         graph is compiled)."""
         if self.default_guards:
             with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
@@ -221,10 +222,10 @@ def main() -> None:
     if not args.compile:
         specs.insert(2, ("hook floor", "hook floor"))
     else:
-        # Every watched copy has graphs of its own (its hooks guard on its modules' identity), all
-        # under one code object (the model class's forward): past Dynamo's recompile limit (8) a
-        # copy would silently run eager and the table would compare eager with compiled. A
-        # training process holds one or two watched models; this one holds len(specs) x copies.
+        # Every copy's graphs are cached under a code object of its own (a watched copy's forward
+        # wrapper, a base copy's own class), but a copy that fell back to the hook guards shares
+        # its class's: past Dynamo's recompile limit (8) a copy would silently run eager and the
+        # table would compare eager with compiled. This process holds len(specs) x copies models.
         for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                      "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
@@ -268,6 +269,10 @@ def main() -> None:
         ratio_b = statistics.median(v / b for v, b in zip(between[name], between["base"]))
         print(f"| {name} | {statistics.median(mean[name]) * 1e3:.2f} | {added:+.2f} | {ratio:.3f}x "
               f"| {statistics.median(between[name]) * 1e3:.2f} | {added_b:+.2f} | {ratio_b:.3f}x |")
+    if args.compile:  # a watch that fell back pays the hook guards (docs/localization.md)
+        fell_back = [name for name, copies in variants.items() for v in copies
+                     if v.watch is not None and v.watch.observer is not None and v.watch.observer._split.guarded]
+        print(f"\nwatches that fell back to guards on every hook dict: {len(fell_back) or 'none'}")
     for copies in variants.values():
         for v in copies:
             if v.watch is not None:
