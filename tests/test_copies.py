@@ -166,6 +166,7 @@ def test_two_watches_on_one_model_share_the_copy_guard(tmp_path):
     assert _hooks(copy.deepcopy(model)) == [] and not set(vars(copy.deepcopy(scaler))) & {"scale", "step"}
     second.close()
     assert all("__getstate__" not in vars(m) for m in model.modules())
+    assert "forward" not in vars(model)  # both forward wrappers gone (record/compiled.py), the first's too
     assert "__getstate__" not in vars(scaler)
     assert [len(ampwatch.load(w.path).steps) for w in (first, second)] == [1, 1]
 

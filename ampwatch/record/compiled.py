@@ -121,11 +121,17 @@ class GraphSplit:
         torch._dynamo.reset()
 
     def remove(self) -> None:
-        """Put back the forward the wrapper replaced (unless someone replaced the wrapper since)."""
+        """Put back the forward the wrapper replaced, unless something replaced the wrapper since:
+        then it stays in the chain, flag off, until that is removed (a second watch's wrapper puts
+        back what was there before both)."""
+        self.flag.on = False
+        self.wrapper.removed = True
         state = self.root.__dict__
         if state.get("forward") is self.wrapper:
-            if self.wrapper.previous is copies.MISSING:
+            previous = self.wrapper.previous
+            while isinstance(previous, copies.Patch) and getattr(previous, "removed", False):
+                previous = previous.previous  # a wrapper of a watch that closed first
+            if previous is copies.MISSING:
                 del state["forward"]
             else:
-                state["forward"] = self.wrapper.previous
-        self.flag.on = False
+                state["forward"] = previous
