@@ -287,3 +287,32 @@ def test_without_transformers_one_clear_error_names_the_extra():
     out = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()
     assert out.count("\n") == 0 and "pip install 'ampwatch[transformers]'" in out
+
+
+def test_a_compiled_trainer_model_with_graph_breaks_is_observed_without_compiling_twice(tmp_path, monkeypatch):
+    """``torch_compile=True``: under the Trainer this GPT-2 compiles with graph breaks of its own, so
+    its blocks run in frames the forward wrapper's flag does not reach, and the watch falls back to
+    Dynamo's guards on module hooks as the first observed step ends. It must do so without dropping
+    the graphs compiled so far: one graph more than without ampwatch (the observed one), every
+    ``layer_every`` step observed, and the Trainer's losses bitwise those of the unwatched run."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: hooks out between
+    found = {}
+    for watched in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        callbacks = [AmpwatchCallback(str(tmp_path / "run.sqlite"), layer_every=2)] if watched else []
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+            trainer = make_trainer(tmp_path, callbacks, bf16=True, torch_compile=True,
+                                   torch_compile_backend="aot_eager", gradient_accumulation_steps=1)
+            trainer.train()
+        found[watched] = ([h["loss"] for h in trainer.state.log_history if "loss" in h],
+                          counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    assert found[False][2] > 0  # the premise: the model breaks its graph under the Trainer
+    assert found[True][0] == found[False][0]
+    assert found[True][1] == found[False][1] + 1
+    modules = ampwatch.load(tmp_path / "run.sqlite").modules
+    forward = modules[modules.phase == "forward"]
+    assert sorted(set(forward.step)) == [0, 2, 4]
+    seen = {s: set(forward[forward.step == s].module) for s in (0, 2, 4)}
+    assert seen[2] == seen[4] >= seen[0] and "transformer.h.1.mlp.c_fc" in seen[0]  # inside the blocks

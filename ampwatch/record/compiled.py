@@ -105,20 +105,32 @@ class GraphSplit:
         state["forward"] = self.wrapper  # straight into __dict__: nn.Module.__setattr__ has no say
 
     def set(self, on: bool) -> None:
-        """Flag this step observed or not; before an observed step, check the split still holds."""
+        """Flag this step observed or not. As an observed step ends, and before the next, check that
+        the split still holds: at the end, graphs of the model's classes were compiled with the
+        hooks in (their guards hold the hooks), so turning the hook guards on then keeps them, and
+        only graphs a twin compiled meanwhile are dropped; before the next, a graph compiled with
+        the hooks out may exist (the model compiled first between observed steps), so every graph
+        is dropped."""
+        was = self.flag.on
         self.flag.on = on
-        if on and not self.guarded and self._broken():
-            self.fall_back()
+        if self.guarded or on == was:
+            return
+        if self._broken():
+            self.fall_back(drop_all=on)
 
     def _broken(self) -> bool:
         return self.root.__dict__.get("forward") is not self.wrapper or any(
             _cache_entries(code) for code in self._codes)
 
-    def fall_back(self) -> None:
-        """Guard every hook dict from now on, and drop every graph traced without those guards."""
+    def fall_back(self, drop_all: bool = True) -> None:
+        """Guard every hook dict from now on, and drop the graphs traced without those guards: every
+        graph of the process, or (``drop_all`` False) only those of the model's classes."""
         self.guarded = True
         guard_module_hooks()
-        torch._dynamo.reset()
+        if drop_all:
+            torch._dynamo.reset()
+        else:
+            _forget(self._codes)
 
     def remove(self) -> None:
         """Put back the forward the wrapper replaced, unless something replaced the wrapper since:
