@@ -289,28 +289,46 @@ def test_without_transformers_one_clear_error_names_the_extra():
     assert out.count("\n") == 0 and "pip install 'ampwatch[transformers]'" in out
 
 
+class GraphsByStep(transformers.TrainerCallback):
+    """Dynamo's count of graphs compiled so far, at the end of each optimizer step."""
+
+    def __init__(self) -> None:
+        self.graphs: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from torch._dynamo.utils import counters
+        self.graphs.append(counters["stats"]["unique_graphs"])
+
+
 def test_a_compiled_trainer_model_with_graph_breaks_is_observed_without_compiling_twice(tmp_path, monkeypatch):
-    """``torch_compile=True``: under the Trainer this GPT-2 compiles with graph breaks of its own, so
-    its blocks run in frames the forward wrapper's flag does not reach, and the watch falls back to
-    Dynamo's guards on module hooks as the first observed step ends. It must do so without dropping
-    the graphs compiled so far: one graph more than without ampwatch (the observed one), every
-    ``layer_every`` step observed, and the Trainer's losses bitwise those of the unwatched run."""
+    """``torch_compile=True`` with a model that breaks its graph inside (a hook of the user's on a
+    block; HF models break on a logger call or a cache object), so its blocks run in frames the
+    forward wrapper's flag does not reach, and the watch falls back to Dynamo's guards on module
+    hooks as the first observed step ends. It must do so without dropping the graphs compiled so
+    far: the observed step's graphs compile on step 0, the others' on step 1, and no step after
+    compiles anything (dropped graphs would compile again on steps 1 and 2, or 2 and 3). Every
+    ``layer_every`` step is observed, inside the blocks too, and the Trainer's losses are bitwise
+    those of the unwatched run."""
     from torch._dynamo.utils import counters
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: hooks out between
     found = {}
     for watched in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        callbacks = [AmpwatchCallback(str(tmp_path / "run.sqlite"), layer_every=2)] if watched else []
+        by_step = GraphsByStep()
+        callbacks = [by_step] + ([AmpwatchCallback(str(tmp_path / "run.sqlite"), layer_every=2)] if watched else [])
+        model = tiny_gpt2()
+        model.transformer.h[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
         with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
-            trainer = make_trainer(tmp_path, callbacks, bf16=True, torch_compile=True,
+            trainer = make_trainer(tmp_path, callbacks, model=model, bf16=True, torch_compile=True,
                                    torch_compile_backend="aot_eager", gradient_accumulation_steps=1)
             trainer.train()
-        found[watched] = ([h["loss"] for h in trainer.state.log_history if "loss" in h],
-                          counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
-    assert found[False][2] > 0  # the premise: the model breaks its graph under the Trainer
+        found[watched] = ([h["loss"] for h in trainer.state.log_history if "loss" in h], by_step.graphs,
+                          sum(counters["graph_break"].values()))
+    assert found[False][2] > 0  # the premise: the model breaks its graph
     assert found[True][0] == found[False][0]
-    assert found[True][1] == found[False][1] + 1
+    graphs = found[True][1]
+    assert graphs[0] < graphs[1] == graphs[-1] and found[False][1][0] == found[False][1][-1]
     modules = ampwatch.load(tmp_path / "run.sqlite").modules
     forward = modules[modules.phase == "forward"]
     assert sorted(set(forward.step)) == [0, 2, 4]
