@@ -559,6 +559,27 @@ def test_a_graph_break_inside_the_watched_model_falls_back_to_guards_on_every_ho
         assert _observed_steps(run_.path, inner) == [0, 3, 6]
 
 
+def test_a_model_with_graph_breaks_compiled_before_attach_is_observed_inside_its_blocks(tmp_path, monkeypatch):
+    """Compiled and run before attach, a model that breaks its graph leaves graphs traced without
+    hooks, among them those of the frames Dynamo resumes in after each break (code objects of their
+    own). Attach must drop them: every observed step after it observes the modules inside the
+    blocks, after the break too."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[BrokenBlock() for _ in range(3)], nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    net = torch.compile(model, backend="aot_eager")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    _train(net, (opt, scaler), x, 2)  # compiled without ampwatch
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        with ampwatch.attach(net, opt, scaler, path=str(tmp_path / "late.sqlite"), layer_every=3) as watch:
+            _train(net, (opt, scaler), x, 7)
+    for inner in ("0.fc", "0.act", "2.act"):  # .act runs after its block's break
+        assert _observed_steps(watch.path, inner) == [0, 3, 6], inner
+
+
 def test_a_forward_replaced_over_the_wrapper_falls_back_to_guards_on_every_hook_dict(tmp_path, monkeypatch):
     """Code that wraps ``model.forward`` after attach (as Accelerate does) hides the wrapper's code
     object from Dynamo: the watch falls back to the guards on every hook dict on its next observed

@@ -70,17 +70,6 @@ def _cache_entries(code: Any) -> int:
     return len(_debug_get_cache_entry_list(code))
 
 
-def _forget(codes: set) -> None:
-    """Drop the graphs Dynamo cached for these code objects (every instance's), or all of them."""
-    reset_code = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    reset_code = getattr(reset_code, "reset_code", None)
-    if reset_code is None:  # pragma: no cover - torch without it
-        torch._dynamo.reset()
-        return
-    for code in codes:
-        reset_code(code)
-
-
 class GraphSplit:
     """The watched root's ``forward`` wrapped so compiled graphs tell observed steps from the others
     by one flag (module docstring). In eager it costs one Python call per forward of the root."""
@@ -93,9 +82,11 @@ class GraphSplit:
         self._codes = {code for m in root.modules()
                        if (code := getattr(getattr(type(m), "forward", None), "__code__", None)) is not None}
         # graphs cached for them before attach were traced without the hooks, for this model or a
-        # twin: dropped, so any found later were compiled since (a graph break, or a twin)
+        # twin, and so were those of the frames Dynamo resumes in after a graph break (code objects
+        # of their own, which only a reset reaches): all dropped, so any found later were compiled
+        # since (a graph break, or a twin)
         if any(_cache_entries(code) for code in self._codes):
-            _forget(self._codes)
+            torch._dynamo.reset()
         template = _forward.__code__
         own = types.FunctionType(template.replace(), _forward.__globals__, "forward")  # a code object of its own
         state = root.__dict__
