@@ -1,6 +1,7 @@
 """Run by test_fsdp.py as one of 2 processes (gloo, CPU): FSDP2 and FSDP1 with ShardedGradScaler.
 
-Usage: fsdp_worker.py OUT PORT RANK WORLD. Every scenario trains a real model attached to ampwatch
+Usage: fsdp_worker.py OUT PORT RANK WORLD. Every scenario (FSDP2 eager and with its layers
+compiled, FSDP1) trains a real model attached to ampwatch
 and writes the harness's own ground truth next to the run files (OUT/truth.rank<R>.json): the
 full-tensor gradient norms (through the harness's own collectives, outside what it counts), the
 scale, the loss, and whether each rank's parameters changed. It also counts the collectives of
@@ -23,13 +24,16 @@ STEPS = 10
 _COLLECTIVE_PREFIXES = ("gloo:", "c10d::", "_c10d_functional::")
 
 
-def model_fsdp2(mp_dtype=None) -> nn.Module:
+def model_fsdp2(mp_dtype=None, backend=None) -> nn.Module:
+    """``backend``: each layer compiled with it, then sharded (torchtitan's order, block by block)."""
     torch.manual_seed(0)
     # the last layer has one output: rank 1's shards of its weight and bias are empty
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
     policy = MixedPrecisionPolicy(param_dtype=mp_dtype) if mp_dtype else MixedPrecisionPolicy()
-    for layer in model:
+    for i, layer in enumerate(model):
         if isinstance(layer, nn.Linear):
+            if backend:
+                layer = model[i] = torch.compile(layer, backend=backend)
             fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -65,8 +69,12 @@ def full_norms(model: nn.Module, kind: str, scale: float) -> tuple[float, dict]:
     return sum(v * v for v in per_param.values()) ** 0.5, per_param
 
 
-def train(kind: str, rank: int, path=None, autocast=True, mp_dtype=None, count=False) -> dict:
-    model = model_fsdp1() if kind == "fsdp1" else model_fsdp2(mp_dtype)
+def train(kind: str, rank: int, path=None, autocast=True, mp_dtype=None, count=False, backend=None) -> dict:
+    """``backend``: each layer compiled with it (model_fsdp2); the graphs compiled and the graph breaks
+    are counted."""
+    counters = torch._dynamo.utils.counters
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    model = model_fsdp1() if kind == "fsdp1" else model_fsdp2(mp_dtype, backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = ShardedGradScaler(device="cpu", init_scale=2.0 ** 20, growth_interval=3)
     watch = None
@@ -97,6 +105,8 @@ def train(kind: str, rank: int, path=None, autocast=True, mp_dtype=None, count=F
         truth["applied"].append(any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters())))
     if watch is not None:
         watch.close()
+    truth["graph_breaks"] = sum(counters["graph_break"].values()) - breaks
+    truth["graphs"] = counters["stats"]["unique_graphs"] - graphs  # after attach's reset: those of this run
     truth["final"] = [p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
                       for p in model.parameters()]
     return truth
@@ -120,15 +130,17 @@ def main(out: str, port: str, rank: int, world: int) -> None:
         "mp_fp16": dict(kind="fsdp2", autocast=False, mp_dtype=torch.float16),
         "mp_bf16": dict(kind="fsdp2", autocast=True, mp_dtype=torch.bfloat16),
         "fsdp1": dict(kind="fsdp1"),
+        "compiled": dict(kind="fsdp2", backend="aot_eager"),
     }
     for name, kwargs in scenarios.items():
         if name == "fsdp1":  # torchrun with a rendezvous id: the job id is that id
             os.environ["TORCHELASTIC_RUN_ID"] = "elastic-42"
         attached = train(rank=rank, path=os.path.join(out, f"{name}_{{rank}}.sqlite"), **kwargs)
         results[name] = {k: v for k, v in attached.items() if k != "final"}
-        if name == "fp16":  # the same training without ampwatch, in this process: bitwise equal?
+        if name in ("fp16", "compiled"):  # the same training without ampwatch, in this process: bitwise equal?
             plain = train(rank=rank, **kwargs)
             results[name]["plain_collectives"] = plain["collectives"]
+            results[name]["plain_loss"] = plain["loss"]
             results[name]["bitwise_equal"] = (bitwise_equal(attached["final"], plain["final"])
                                               and same_floats(attached["scale"], plain["scale"])
                                               and same_floats(attached["loss"], plain["loss"]))
