@@ -614,3 +614,102 @@ def test_only_module_observation_wraps_the_forward(tmp_path):
     with ampwatch.attach(model, opt, None, path=str(tmp_path / "l.sqlite")):
         assert "forward" in model.__dict__
     assert "forward" not in model.__dict__
+
+
+class Block(nn.Module):
+    """A residual MLP block: several of them, each compiled on its own, as torchtitan compiles its
+    transformer blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.fc1 = nn.Linear(32, 64)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Tower(nn.Module):
+    def __init__(self, blocks: int = 10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _train_tower(tmp_path, name, *, watched, when="before", fault_step=None, steps=7):
+    """Each block compiled on its own (aot_eager), before or after attach; ``fault_step``: block 6's
+    fc2 weights blown up from then on (an fp16 overflow in its forward)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = Tower()
+
+    def compile_blocks():
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="aot_eager")
+
+    if when == "before":
+        compile_blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=3) \
+        if watched else None
+    if when == "after":
+        compile_blocks()
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        if step == fault_step:
+            with torch.no_grad():
+                model.blocks[6].fc2.weight.mul_(1e6)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = F.mse_loss(out.float(), y)
+        losses.append(loss.detach().clone())
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    hook_guards = not torch._dynamo.config.skip_nnmodule_hook_guards
+    run_ = None
+    if watch is not None:
+        watch.close()
+        run_ = ampwatch.load(watch.path)
+    return run_, losses, graphs, breaks, hook_guards
+
+
+@pytest.mark.parametrize("when", ["before", "after"], ids=["blocks-compiled-then-attach", "attach-then-blocks-compiled"])
+def test_blocks_compiled_one_by_one_compile_one_graph_and_are_observed_at_their_call(tmp_path, when):
+    """torchtitan's way: each block compiled on its own. Hooks inside the blocks would be traced into
+    their graph with each module's own constants: one graph per block, ten here, past Dynamo's
+    recompile limit of 8, after which the other blocks ran eagerly (and the watch fell back to guards
+    on every hook dict). The watch leaves the inside of compiled blocks alone: one graph, as without
+    ampwatch, training bitwise the same, and a fault inside block 6 localized to that block."""
+    plain, plain_losses, plain_graphs, _, _ = _train_tower(tmp_path, "plain", watched=False, when=when, fault_step=4)
+    run_, losses, graphs, breaks, hook_guards = _train_tower(tmp_path, "watched", watched=True, when=when, fault_step=4)
+    assert plain_graphs == 1 and graphs == plain_graphs and breaks == {}
+    assert not hook_guards  # no fallback to guards on every hook dict
+    for a, b in zip(plain_losses, losses):  # bitwise, the fault's inf and NaN included
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    steps = run_.steps
+    assert steps["skipped"].tolist()[4:] == [True, True, True]
+    modules = set(run_.modules["module"])
+    assert not any(".blocks.6." in f".{m}." and not m.endswith("blocks.6") for m in modules)  # nothing inside
+    origin = run_.query("SELECT step, module FROM events WHERE phase = 'forward' AND origin = 1")
+    if when == "before":  # observed at the compiled block's own call
+        assert {f"blocks.{i}" for i in range(10)} <= modules
+        assert origin[origin.step == 4]["module"].tolist() == ["blocks.6"]
+    else:  # the OptimizedModules came after the hooks: the blocks are seen from their parent
+        assert not any(m.startswith("blocks.") for m in modules)
+        assert origin[origin.step == 4]["module"].tolist() == ["<model>"]

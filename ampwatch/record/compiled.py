@@ -38,6 +38,26 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
 
 
+def inside_compiled(root: torch.nn.Module) -> set[int]:
+    """The ids of the modules below ``root`` that run inside a compiled graph of their own: every
+    module of an ``OptimizedModule``'s inner module (``torch.compile(block)``: the OptimizedModule
+    itself is called eagerly, and its hooks see the block's inputs and outputs from outside), and
+    what lies below a module compiled in place (``block.compile()``). Hooks there would be traced
+    into that graph with their own module's constants: one graph per block, until Dynamo's
+    recompile limit makes the rest run eagerly (torchtitan compiles each transformer block)."""
+    inside: set[int] = set()
+    for module in root.modules():
+        if module is root or id(module) in inside:
+            continue
+        if type(module).__name__ == "OptimizedModule":
+            inner = getattr(module, "_orig_mod", None)
+            if isinstance(inner, torch.nn.Module):
+                inside.update(id(m) for m in inner.modules())
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            inside.update(id(m) for m in module.modules() if m is not module)
+    return inside
+
+
 def guard_module_hooks() -> None:
     """Make Dynamo guard on module hooks from now on, for every compiled model of the process. By
     default it does not guard empty hook dicts (``skip_nnmodule_hook_guards``): a graph traced
@@ -79,8 +99,7 @@ class GraphSplit:
         self.flag = Flag(on)
         self.guarded = False  # fell back to Dynamo's guards on every hook dict
         # the forwards Dynamo would compile as frames of their own after a graph break
-        self._codes = {code for m in root.modules()
-                       if (code := getattr(getattr(type(m), "forward", None), "__code__", None)) is not None}
+        self._codes = self._model_codes()
         # graphs cached for them before attach were traced without the hooks, for this model or a
         # twin, and so were those of the frames Dynamo resumes in after a graph break (code objects
         # of their own, which only a reset reaches): all dropped, so any found later were compiled
@@ -110,9 +129,18 @@ class GraphSplit:
         if self._broken():
             self.fall_back(drop_all=on)
 
+    def _model_codes(self) -> set:
+        """The forwards of the model's classes, but for those of blocks compiled on their own
+        (:func:`inside_compiled`): no hook is traced into their graphs, which need no telling apart."""
+        inside = inside_compiled(self.root)
+        return {code for m in self.root.modules() if id(m) not in inside
+                and (code := getattr(getattr(type(m), "forward", None), "__code__", None)) is not None}
+
     def _broken(self) -> bool:
-        return self.root.__dict__.get("forward") is not self.wrapper or any(
-            _cache_entries(code) for code in self._codes)
+        if self.root.__dict__.get("forward") is not self.wrapper:
+            return True
+        self._codes = self._model_codes()  # blocks may have been compiled since attach
+        return any(_cache_entries(code) for code in self._codes)
 
     def fall_back(self, drop_all: bool = True) -> None:
         """Guard every hook dict from now on; ``drop_all``: drop every graph of the process, so none

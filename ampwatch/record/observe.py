@@ -58,7 +58,7 @@ import torch
 
 from . import torch_access
 from .batched import BatchedReducer
-from .compiled import GraphSplit
+from .compiled import GraphSplit, inside_compiled
 from .copies import ours
 from .hoststats import HostQueue, HostStats
 from .slots import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
@@ -283,6 +283,7 @@ class ModuleObserver:
         self.names: list[str] = []
         self.types: list[str] = []
         self._handles: list[Any] = []
+        self._handle_modules: list[int] = []  # the module index of each of _handles
         modules = []
         seen: set[int] = set()
         for name, module in model.named_modules():
@@ -319,6 +320,7 @@ class ModuleObserver:
         self._split = GraphSplit(modules[0], self.observing)
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
+        self._first_forward_seen = False
         self._taken: list[list[tuple[dict, int, Any]]] = []  # their entries, taken out while not _hooked
         # learned structure: (module, IN or OUT, call, position) of a tensor -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int, int], int] = {}
@@ -336,7 +338,10 @@ class ModuleObserver:
         # id(module) -> its index: the hooks find their module's index here (see _hooks)
         self._index_of: dict[int, int] = {id(m): i for i, m in enumerate(modules)}
         self._before_hook, self._after_hook = _hooks(self._id)
+        inside = inside_compiled(modules[0])
         for index, module in enumerate(modules):
+            if id(module) in inside:  # inside a block compiled on its own: observed from outside it
+                continue
             after: Any = self._after_hook
             if index == 0:
                 # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would
@@ -351,6 +356,7 @@ class ModuleObserver:
         module = self.modules[index]
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
         self._handles.append(register(ours(fn), with_kwargs=True))
+        self._handle_modules.append(index)
 
     def _add_pre_hook(self, index: int) -> None:
         before: Any = self._before_hook
@@ -376,11 +382,33 @@ class ModuleObserver:
             return
         self._hooked = on
         if on:  # the entries taken out last time, put back as they were
+            self._leave_compiled_blocks()
             for taken in self._taken:
                 torch_access.rehook(taken)
             self._taken = []
         else:
             self._taken = [torch_access.unhook(handle) for handle in self._handles]
+
+    def _leave_compiled_blocks(self) -> None:
+        """Take out for good the hooks of modules inside blocks compiled since attach
+        (``compiled.inside_compiled``), before they are traced into the blocks' graphs: at the
+        first forward, and as each observed step begins. A block compiled after attach is then
+        observed from its parent, not at its own call (its OptimizedModule came after the hooks)."""
+        inside = inside_compiled(self.modules[0])
+        if not inside:
+            return
+        kept = []
+        for i, index in enumerate(self._handle_modules):
+            if id(self.modules[index]) not in inside:
+                kept.append(i)
+            elif self._hooked:
+                self._handles[i].remove()
+        if len(kept) == len(self._handles):
+            return
+        if not self._hooked:
+            self._taken = [self._taken[i] for i in kept]
+        self._handles = [self._handles[i] for i in kept]
+        self._handle_modules = [self._handle_modules[i] for i in kept]
 
     # -- per step --------------------------------------------------------------------------------
     def _learn_alias(self, index: int, role: int, call: int, pos: int, t: torch.Tensor, slot: int,
@@ -573,6 +601,7 @@ class ModuleObserver:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._handle_modules.clear()
 
     # -- observation -------------------------------------------------------------------------------
     def _observe_traced(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
@@ -703,6 +732,9 @@ class ModuleObserver:
     def _before_eager(self, index: int, args: Any, kwargs: Any) -> None:
         tensors = _inputs(args, kwargs)
         if index == 0:  # the root: a new micro-batch
+            if not self._first_forward_seen:  # blocks compiled between attach and the first step
+                self._first_forward_seen = True
+                self._leave_compiled_blocks()
             if self.root_calls:
                 self._mark_micro_batch(self.root_calls - 1)
             self.root_calls += 1

@@ -34,12 +34,14 @@ How it stays out of training's way:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional
 
 import torch
 
 from . import torch_access
+from .compiled import uncompiled
 from .observe import ModuleObserver, tensor_list, nested_tensors_of
 
 
@@ -217,6 +219,12 @@ def _whole(module: torch.nn.Module) -> bool:
     return not any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters())
 
 
+def _eager() -> Any:
+    """Compiled code called inside runs eagerly (``torch.compiler.set_stance``, torch >= 2.6)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 def _run_again(module: torch.nn.Module, params: dict, buffers: dict, autocast_for: Callable,
                inputs: Callable, observer: Optional[ModuleObserver]) -> Optional[float]:
     """The module's forward (not __call__: its own hooks already ran on the kept inputs) with
@@ -231,10 +239,12 @@ def _run_again(module: torch.nn.Module, params: dict, buffers: dict, autocast_fo
     if observer is not None:
         observer.active = False
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), \
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), _eager(), \
                 torch.autocast(device_type, dtype=dtype, enabled=enabled), _swapped(module, {**params, **buffers}):
             args, kwargs = inputs()
-            out = module.forward(*args, **kwargs)
+            # blocks compiled on their own run eagerly here: called without grad or autocast, each
+            # would otherwise be compiled again (compiled.inside_compiled)
+            out = uncompiled(module).forward(*args, **kwargs)
         return output_amax(out)
     except Exception:  # the user's module, run again outside its call: no verdict, not a failure
         return None
