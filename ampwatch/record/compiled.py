@@ -24,6 +24,7 @@ the wrapper) and falls back, once, to guards on every hook dict, with Dynamo's c
 """
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -46,10 +47,14 @@ def inside_compiled(root: torch.nn.Module) -> set[int]:
     into that graph with their own module's constants: one graph per block, until Dynamo's
     recompile limit makes the rest run eagerly (torchtitan compiles each transformer block)."""
     inside: set[int] = set()
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None:
+        return inside
     for module in root.modules():
         if module is root or id(module) in inside:
             continue
-        if type(module).__name__ == "OptimizedModule":
+        if isinstance(module, optimized):  # FSDP2 swaps in a subclass of its own
             inner = getattr(module, "_orig_mod", None)
             if isinstance(inner, torch.nn.Module):
                 inside.update(id(m) for m in inner.modules())
