@@ -39,13 +39,16 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
 
 
-def inside_compiled(root: torch.nn.Module) -> set[int]:
+def inside_compiled(root: torch.nn.Module, observed: Any = None) -> set[int]:
     """The ids of the modules below ``root`` that run inside a compiled graph of their own: every
     module of an ``OptimizedModule``'s inner module (``torch.compile(block)``: the OptimizedModule
     itself is called eagerly, and its hooks see the block's inputs and outputs from outside), and
     what lies below a module compiled in place (``block.compile()``). Hooks there would be traced
     into that graph with their own module's constants: one graph per block, until Dynamo's
-    recompile limit makes the rest run eagerly (torchtitan compiles each transformer block)."""
+    recompile limit makes the rest run eagerly (torchtitan compiles each transformer block).
+    ``observed(module)``: whether an OptimizedModule is hooked; when it is not (the block was
+    compiled after attach), its inner module stays out of the set: its own hooks run eagerly too,
+    around the compiled forward, and see what the OptimizedModule's would."""
     inside: set[int] = set()
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
     optimized = getattr(eval_frame, "OptimizedModule", None)
@@ -57,7 +60,8 @@ def inside_compiled(root: torch.nn.Module) -> set[int]:
         if isinstance(module, optimized):  # FSDP2 swaps in a subclass of its own
             inner = getattr(module, "_orig_mod", None)
             if isinstance(inner, torch.nn.Module):
-                inside.update(id(m) for m in inner.modules())
+                keep = observed is not None and not observed(module)
+                inside.update(id(m) for m in inner.modules() if not (keep and m is inner))
         elif getattr(module, "_compiled_call_impl", None) is not None:
             inside.update(id(m) for m in module.modules() if m is not module)
     return inside

@@ -48,6 +48,7 @@ module, no copy, nothing grows). Under torch.compile the inner hooks keep nothin
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import OrderedDict
@@ -321,6 +322,8 @@ class ModuleObserver:
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
         self._first_forward_seen = False
+        self._replay_handles: Optional[list] = None  # inside_compiled_blocks: its hooks
+        self._replay_inside: set[int] = set()
         self._taken: list[list[tuple[dict, int, Any]]] = []  # their entries, taken out while not _hooked
         # learned structure: (module, IN or OUT, call, position) of a tensor -> the slot that already holds it
         self.aliases: dict[tuple[int, int, int, int], int] = {}
@@ -338,7 +341,7 @@ class ModuleObserver:
         # id(module) -> its index: the hooks find their module's index here (see _hooks)
         self._index_of: dict[int, int] = {id(m): i for i, m in enumerate(modules)}
         self._before_hook, self._after_hook = _hooks(self._id)
-        inside = inside_compiled(modules[0])
+        inside = inside_compiled(modules[0], self._is_observed)
         for index, module in enumerate(modules):
             if id(module) in inside:  # inside a block compiled on its own: observed from outside it
                 continue
@@ -355,7 +358,11 @@ class ModuleObserver:
         # called while the hooks are in (at attach, or from a hook on a learning step)
         module = self.modules[index]
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
-        self._handles.append(register(ours(fn), with_kwargs=True))
+        handle = register(ours(fn), with_kwargs=True)
+        if self._replay_handles is not None and id(module) in self._replay_inside:
+            self._replay_handles.append(handle)  # inside a compiled block: for this replay only
+            return
+        self._handles.append(handle)
         self._handle_modules.append(index)
 
     def _add_pre_hook(self, index: int) -> None:
@@ -394,7 +401,7 @@ class ModuleObserver:
         (``compiled.inside_compiled``), before they are traced into the blocks' graphs: at the
         first forward, and as each observed step begins. A block compiled after attach is then
         observed from its parent, not at its own call (its OptimizedModule came after the hooks)."""
-        inside = inside_compiled(self.modules[0])
+        inside = inside_compiled(self.modules[0], self._is_observed)
         if not inside:
             return
         kept = []
@@ -409,6 +416,35 @@ class ModuleObserver:
             self._taken = [self._taken[i] for i in kept]
         self._handles = [self._handles[i] for i in kept]
         self._handle_modules = [self._handle_modules[i] for i in kept]
+
+    def _is_observed(self, module: torch.nn.Module) -> bool:
+        return id(module) in self._index_of
+
+    @contextlib.contextmanager
+    def inside_compiled_blocks(self) -> Iterator[None]:
+        """For a replay (its numbers are thrown away): hooks on the modules inside blocks compiled on
+        their own, and compiled code run eagerly (``torch.compiler.set_stance``, torch >= 2.6), so
+        a replayed fault is localized inside its block. Nothing is traced: no graph compiles."""
+        inside = inside_compiled(self.modules[0], self._is_observed)
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        indices = [i for i, m in enumerate(self.modules) if id(m) in inside]
+        if not indices or set_stance is None:
+            yield
+            return
+        handles: list[Any] = []
+        self._replay_handles, self._replay_inside = handles, inside  # pre-hooks learned now: _hook
+        try:
+            for index in indices:
+                module = self.modules[index]
+                handles.append(module.register_forward_hook(ours(self._after_hook), with_kwargs=True))
+                if getattr(module, "inplace", False) is True or index in self._pre:
+                    handles.append(module.register_forward_pre_hook(ours(self._before_hook), with_kwargs=True))
+            with set_stance("force_eager"):
+                yield
+        finally:
+            self._replay_handles, self._replay_inside = None, set()
+            for handle in handles:
+                handle.remove()
 
     # -- per step --------------------------------------------------------------------------------
     def _learn_alias(self, index: int, role: int, call: int, pos: int, t: torch.Tensor, slot: int,

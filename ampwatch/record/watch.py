@@ -471,7 +471,8 @@ class Watch:
         reproduced, why = False, ("it came out finite: state the model keeps in Python, a fault outside the "
                                   "model's outputs, or a transient fault")
         try:
-            reproduced = self.replayer.replay(self._params, batches, grads_out)
+            with self.observer.inside_compiled_blocks():
+                reproduced = self.replayer.replay(self._params, batches, grads_out)
         except replay.NotReplayable as exc:
             why = str(exc)
         except Exception as exc:  # a model that cannot run again this way (reentrant checkpointing
