@@ -35,6 +35,7 @@ is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
     python bench/hostcost.py --rounds 8
     python bench/hostcost.py --path cpu        # the free-reads path instead
     python bench/hostcost.py --compile inductor --rounds 6   # compiled copies (no model graph breaks)
+    python bench/hostcost.py --compile-blocks inductor        # each block compiled on its own (torchtitan)
     python bench/hostcost.py --fused           # AdamW(fused=True): a skip is read from the inf flag
     python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
     python bench/hostcost.py --no-clip         # a loop that does not clip: the recorder's own norms
@@ -127,12 +128,17 @@ def make_step(model, net, x, opt, scaler, watch, clip: bool = True):
 class Variant:
     """One copy of the model, ampwatch attached once (or not), compiled or eager."""
 
-    def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool, clip: bool = True) -> None:
+    def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool, clip: bool = True,
+                 blocks_backend=None) -> None:
         # compiled copies without module observation (the base, localize=False): torch's default
         # guards, as in a process with no observing watch, and a cache of their own (see the
         # module docstring)
         self.default_guards = backend is not None and (options is None or options == {"localize": False})
         self.model, x = model_and_batch(own_code=self.default_guards)
+        if blocks_backend:  # torchtitan's way: each block compiled on its own, before the optimizer
+            blocks = self.model.transformer.h
+            for i, block in enumerate(blocks):
+                blocks[i] = torch.compile(block, backend=blocks_backend)
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         scaler = None if bf16 else torch.amp.GradScaler("cpu")
         self.watch = None
@@ -201,6 +207,8 @@ def main() -> None:
                     "averaged (copies differ by up to ~0.3 ms a step where their memory lands)")
     ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
     ap.add_argument("--compile", metavar="BACKEND", help="torch.compile every copy with this backend (inductor, aot_eager)")
+    ap.add_argument("--compile-blocks", metavar="BACKEND", help="torch.compile each of the 12 blocks on its own "
+                    "(torchtitan's way) with this backend; the rest runs eagerly")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
     ap.add_argument("--no-clip", action="store_true", help="a loop without clip_grad_norm_ (the recorder measures "
@@ -219,7 +227,9 @@ def main() -> None:
     folder = tempfile.mkdtemp()
     specs = [("base", None), ("base again", None), ("ampwatch", {}), ("replay=False", {"replay": False}),
              ("localize=False", {"localize": False})]
-    if not args.compile:
+    if args.compile and args.compile_blocks:
+        ap.error("--compile and --compile-blocks: one or the other")
+    if not args.compile and not args.compile_blocks:
         specs.insert(2, ("hook floor", "hook floor"))
     else:
         # Every copy's graphs are cached under a code object of its own (a watched copy's forward
@@ -232,7 +242,8 @@ def main() -> None:
                 setattr(torch._dynamo.config, name,
                         max(getattr(torch._dynamo.config, name), 8 + 4 * len(specs) * args.copies))
     variants = {name: [Variant(options, folder, f"{name.replace('=', '_').replace(' ', '_')}_{c}", args.compile,
-                               args.fused, args.bf16, not args.no_clip) for c in range(args.copies)]
+                               args.fused, args.bf16, not args.no_clip, args.compile_blocks)
+                         for c in range(args.copies)]
                 for name, options in specs}
     for copies in variants.values():
         for v in copies:
@@ -254,7 +265,8 @@ def main() -> None:
             between[name].append(statistics.fmean(f[1] for f in figures))
     modules = len(list(variants["base"][0].model.modules()))
     params = len(list(variants["base"][0].model.parameters()))
-    mode = f"torch.compile({args.compile})" if args.compile else "eager"
+    mode = f"torch.compile({args.compile})" if args.compile else \
+        f"torch.compile({args.compile_blocks}) per block" if args.compile_blocks else "eager"
     opt = ("AdamW(fused=True)" if args.fused else "AdamW") + (", bf16 without a scaler" if args.bf16 else ", fp16 + GradScaler") \
         + (", no clip" if args.no_clip else ", clip_grad_norm_")
     print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
@@ -269,10 +281,11 @@ def main() -> None:
         ratio_b = statistics.median(v / b for v, b in zip(between[name], between["base"]))
         print(f"| {name} | {statistics.median(mean[name]) * 1e3:.2f} | {added:+.2f} | {ratio:.3f}x "
               f"| {statistics.median(between[name]) * 1e3:.2f} | {added_b:+.2f} | {ratio_b:.3f}x |")
-    if args.compile:  # a watch that fell back pays the hook guards (docs/localization.md)
+    if args.compile or args.compile_blocks:  # a watch that fell back pays the hook guards (docs/localization.md)
         fell_back = [name for name, copies in variants.items() for v in copies
                      if v.watch is not None and v.watch.observer is not None and v.watch.observer._split.guarded]
         print(f"\nwatches that fell back to guards on every hook dict: {len(fell_back) or 'none'}")
+        print(f"graphs compiled in this process: {torch._dynamo.utils.counters['stats']['unique_graphs']}")
     for copies in variants.values():
         for v in copies:
             if v.watch is not None:
