@@ -40,6 +40,7 @@ is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
     python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
     python bench/hostcost.py --no-clip         # a loop that does not clip: the recorder's own norms
     python bench/hostcost.py --compile-time inductor   # seconds to compile, with and without ampwatch
+    python bench/hostcost.py --compile-time inductor --compile-blocks inductor   # the same, block by block
 """
 from __future__ import annotations
 
@@ -169,16 +170,18 @@ class Variant:
         return times, observed
 
 
-def first_steps(variant: str, backend: str, n: int) -> None:
-    """In a subprocess of :func:`compile_time`: the first ``n`` steps' seconds and the graphs compiled."""
+def first_steps(variant: str, backend: str, n: int, blocks: bool = False) -> None:
+    """In a subprocess of :func:`compile_time`: the first ``n`` steps' seconds and the graphs compiled.
+    ``blocks``: each block compiled on its own, the rest eager."""
     torch.set_num_threads(1)
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
-    v = Variant(None if variant == "base" else {}, tempfile.mkdtemp(), "c", backend, False, False)
+    v = Variant(None if variant == "base" else {}, tempfile.mkdtemp(), "c", None if blocks else backend, False, False,
+                blocks_backend=backend if blocks else None)
     times = [v.step() for _ in range(n)]
     print(variant, *(f"{t:.3f}" for t in times), torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def compile_time(backend: str) -> None:
+def compile_time(backend: str, blocks: bool = False) -> None:
     """Seconds the first steps take with and without ampwatch, each in a fresh process with inductor's
     caches off: without, step 0 compiles the one graph; with, step 0 compiles the observed graph and
     step 1 the one the steps between observed ones run. Step ``layer_every`` (observed again) shows
@@ -188,11 +191,13 @@ def compile_time(backend: str) -> None:
     every = next(s.default for s in SETTINGS if s.name == "layer_every")
     env = dict(os.environ, TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
     here = str(Path(__file__).resolve().parent)
-    print(f"\n## compile time, torch.compile({backend}), GPT-2 small structure, {PATH_ARG} path, torch {torch.__version__}\n")
+    how = f"torch.compile({backend})" + (" per block" if blocks else "")
+    print(f"\n## compile time, {how}, GPT-2 small structure, {PATH_ARG} path, torch {torch.__version__}\n")
     print(f"| variant | step 0 s | step 1 s | step {every} s | graphs |")
     print("|---|---|---|---|---|")
     for variant in ("base", "ampwatch"):
-        code = f"import sys; sys.path.insert(0, {here!r}); import hostcost; hostcost.first_steps({variant!r}, {backend!r}, {every + 1})"
+        code = (f"import sys; sys.path.insert(0, {here!r}); import hostcost; "
+                f"hostcost.first_steps({variant!r}, {backend!r}, {every + 1}, {blocks!r})")
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
         fields = next(line for line in out.splitlines() if line.startswith(variant)).split()
         times = fields[1:-1]
@@ -219,7 +224,7 @@ def main() -> None:
     if args.copies < 1 or args.rounds < 1:
         ap.error("--copies and --rounds must be at least 1")
     if args.compile_time:
-        compile_time(args.compile_time)
+        compile_time(args.compile_time, blocks=bool(args.compile_blocks))
         return
     every = next(s.default for s in SETTINGS if s.name == "layer_every")
     torch.set_num_threads(1)
