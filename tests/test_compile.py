@@ -722,3 +722,30 @@ def test_blocks_compiled_one_by_one_compile_one_graph_and_are_observed_at_their_
     inner = "blocks.6._orig_mod.fc2" if when == "before" else "blocks.6.fc2"
     replayed = record_path == "accelerator"  # the host path observes every step live
     assert by_step == {4: [inner if replayed else "blocks.6"], 5: [inner if replayed else "blocks.6"], 6: ["blocks.6"]}
+
+
+def test_a_submodule_compiled_alone_is_observed_inside_its_graph(tmp_path, record_path):
+    """One block compiled on its own is one graph, traced with the hooks: the modules inside it stay
+    observed on every observed step (only blocks compiled one by one, two or more of a class, are
+    observed at their call)."""
+    torch._dynamo.reset()
+    model = Tower()
+    model.blocks[6] = torch.compile(model.blocks[6], backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "one.sqlite"), layer_every=3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        watch.close()
+    modules = ampwatch.load(watch.path).modules
+    for step in (0, 3):
+        inside = set(modules[modules.step == step]["module"])
+        assert {"blocks.6._orig_mod.fc1", "blocks.6._orig_mod.fc2", "blocks.5.fc2"} <= inside, step

@@ -40,12 +40,14 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def inside_compiled(root: torch.nn.Module, observed: Any = None) -> set[int]:
-    """The ids of the modules below ``root`` that run inside a compiled graph of their own: every
-    module of an ``OptimizedModule``'s inner module (``torch.compile(block)``: the OptimizedModule
-    itself is called eagerly, and its hooks see the block's inputs and outputs from outside), and
-    what lies below a module compiled in place (``block.compile()``). Hooks there would be traced
-    into that graph with their own module's constants: one graph per block, until Dynamo's
-    recompile limit makes the rest run eagerly (torchtitan compiles each transformer block).
+    """The ids of the modules below ``root`` that run inside compiled blocks: modules of one class
+    compiled one by one, two or more of them (torchtitan compiles each transformer block:
+    ``torch.compile(block)`` or ``block.compile()``). Hooks there would be traced into the class's
+    graph with each module's own constants: one graph per block, until Dynamo's recompile limit
+    makes the rest run eagerly. Inside an ``OptimizedModule`` that is every module of its inner
+    module (the OptimizedModule itself is called eagerly, and its hooks see the block's inputs and
+    outputs from outside); inside a module compiled in place, what lies below it. A submodule
+    compiled alone keeps its hooks: one graph, traced with them.
     ``observed(module)``: whether an OptimizedModule is hooked; when it is not (the block was
     compiled after attach), its inner module stays out of the set: its own hooks run eagerly too,
     around the compiled forward, and see what the OptimizedModule's would."""
@@ -54,16 +56,25 @@ def inside_compiled(root: torch.nn.Module, observed: Any = None) -> set[int]:
     optimized = getattr(eval_frame, "OptimizedModule", None)
     if optimized is None:
         return inside
+    blocks: dict[Any, list[tuple[torch.nn.Module, Any]]] = {}  # forward code -> (module, its inner)
     for module in root.modules():
-        if module is root or id(module) in inside:
+        if module is root:
             continue
         if isinstance(module, optimized):  # FSDP2 swaps in a subclass of its own
             inner = getattr(module, "_orig_mod", None)
             if isinstance(inner, torch.nn.Module):
+                blocks.setdefault(getattr(type(inner).forward, "__code__", type(inner)), []).append((module, inner))
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            blocks.setdefault(getattr(type(module).forward, "__code__", type(module)), []).append((module, None))
+    for found in blocks.values():
+        if len(found) < 2:
+            continue
+        for module, inner in found:
+            if inner is None:  # compiled in place
+                inside.update(id(m) for m in module.modules() if m is not module)
+            else:
                 keep = observed is not None and not observed(module)
                 inside.update(id(m) for m in inner.modules() if not (keep and m is inner))
-        elif getattr(module, "_compiled_call_impl", None) is not None:
-            inside.update(id(m) for m in module.modules() if m is not module)
     return inside
 
 
