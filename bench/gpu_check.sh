@@ -26,10 +26,11 @@ step() {  # step SECONDS NAME COMMAND...: one part, its output kept whether or n
     timeout "$seconds" "$@" 2>&1 | grep -v -i "warn" | tee "$out/$name.log"
 }
 step 60 gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py -rfEs -s -p no:cacheprovider
-step 90 eager python3 bench/gpu_gpt2.py --modes eager --replay on --fused off,on --rounds 8
+step 80 eager python3 bench/gpu_gpt2.py --modes eager --replay on --fused off,on --rounds 8
 # fused with the loss inside the model: the case whose skip is read a step late (outside, the
 # logits' 823 MB gradient is more than deferred.HOLD_AT_MOST_BYTES and the step waits as before)
-step 50 eager_loss_inside python3 bench/gpu_gpt2.py --modes eager --replay on --fused on --loss inside --rounds 8
-step 180 compile python3 bench/gpu_gpt2.py --modes compile --replay on --fused off,on --loss outside --rounds 8
-step 70 bf16 python3 bench/gpu_gpt2.py --modes eager --bf16 --replay on --fused on --rounds 6
-step 120 cudagraphs python3 bench/gpu_gpt2.py --modes reduce-overhead --replay on --fused off --rounds 10
+step 45 eager_loss_inside python3 bench/gpu_gpt2.py --modes eager --replay on --fused on --loss inside --rounds 8
+step 165 compile python3 bench/gpu_gpt2.py --modes compile --replay on --fused off,on --loss outside --rounds 8
+step 60 blocks python3 bench/gpu_gpt2.py --modes blocks --replay on --fused off --rounds 6
+step 60 bf16 python3 bench/gpu_gpt2.py --modes eager --bf16 --replay on --fused on --rounds 6
+step 100 cudagraphs python3 bench/gpu_gpt2.py --modes reduce-overhead --replay on --fused off --rounds 10

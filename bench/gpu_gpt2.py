@@ -12,6 +12,7 @@ run pays on average (shorter blocks alternate between blocks with and without on
     python bench/gpu_gpt2.py --modes eager --rounds 10
     python bench/gpu_gpt2.py --replay off     # every module observed on every step (no replay)
     python bench/gpu_gpt2.py --modes reduce-overhead --replay on   # inductor with CUDA graphs
+    python bench/gpu_gpt2.py --modes blocks --replay on            # each block compiled on its own
     python bench/gpu_gpt2.py --fused off,on --replay on            # AdamW(fused=True) too
     python bench/gpu_gpt2.py --bf16 --fused off,on --replay on     # bf16 autocast, no GradScaler
     python bench/gpu_gpt2.py --fused on --loss inside --replay on  # the loss computed by the model
@@ -52,13 +53,17 @@ class Variant:
                  layer_every: int = 20, replay: bool = True, fused: bool = False, bf16: bool = False,
                  loss_inside: bool = False) -> None:
         self.model = copy.deepcopy(base)
-        if compiled and not watched:
+        blocks = compiled == "blocks"  # each block compiled on its own (torchtitan's way), before attach
+        if compiled and not watched and not blocks:
             self.model.__class__ = _own_class(type(base))
+        if blocks:
+            for i, block in enumerate(self.model.transformer.h):
+                self.model.transformer.h[i] = torch.compile(block)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         self.scaler = None if bf16 else torch.amp.GradScaler("cuda")
         self.watch = ampwatch.attach(self.model, self.opt, self.scaler, path=f"{folder}/run.sqlite",
                                      layer_every=layer_every, replay=replay) if watched else None
-        self.net = torch.compile(self.model, mode=compiled) if compiled else self.model
+        self.net = torch.compile(self.model, mode=compiled) if compiled and not blocks else self.model
         self.x = x
         self.loss_inside = loss_inside
         torch.cuda.synchronize()
@@ -139,7 +144,8 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], arg
         plain.block_ms.append(got[id(plain)])
         watched.block_ms.append(got[id(watched)])
         ratios.append(got[id(watched)] / got[id(plain)])
-    mode = f"torch.compile (inductor, mode {compiled})" if compiled else "eager"
+    mode = "torch.compile (inductor) per block" if compiled == "blocks" else \
+        f"torch.compile (inductor, mode {compiled})" if compiled else "eager"
     mode += ", AdamW(fused=True)" if fused else ""
     mode += ", bf16 without a scaler" if bf16 else ""
     mode += ", loss inside the model" if loss_inside else ""
@@ -166,7 +172,8 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], arg
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="eager,compile",
-                        help="eager, compile (inductor, mode default), reduce-overhead or max-autotune")
+                        help="eager, compile (inductor, mode default), blocks (each block compiled on its "
+                        "own), reduce-overhead or max-autotune")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=0, help="steps per timed block (default: layer_every)")
     parser.add_argument("--warmup", type=int, default=3)
