@@ -38,10 +38,10 @@ def test_a_compiled_ddp_model_is_observed_on_the_steps_eager_observes(tmp_path):
     and runs parts of it eagerly around the compiled model. Each rank must still observe the modules
     inside the model on the steps the same eager run observes them (every ``layer_every`` step, and
     the replays of skipped steps): a graph traced between observed steps, without the hooks, must
-    not run on one."""
+    not run on one. The same with each Linear compiled on its own (torchtitan's way)."""
     worker = Path(__file__).parent / "helpers" / "ddp_worker.py"
     steps = {}
-    for how in ("eager", "compiled"):
+    for how in ("eager", "compiled", "blocks"):
         proc = subprocess.run([sys.executable, str(worker), str(tmp_path), free_port(), how],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -51,4 +51,6 @@ def test_a_compiled_ddp_model_is_observed_on_the_steps_eager_observes(tmp_path):
             steps[how, rank] = {name: sorted(forward[forward.module == name].step) for name in set(forward.module)}
     for rank in (0, 1):
         assert steps["compiled", rank] == steps["eager", rank]
+        # each Linear compiled on its own: observed at its own call, under the same name, on the same steps
+        assert steps["blocks", rank] == steps["eager", rank]
         assert {0, 3, 6} <= set(steps["eager", rank]["module.0"]) and len(steps["eager", rank]) >= 4
