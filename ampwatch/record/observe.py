@@ -399,8 +399,8 @@ class ModuleObserver:
     def _leave_compiled_blocks(self) -> None:
         """Take out for good the hooks of modules inside blocks compiled since attach
         (``compiled.inside_compiled``), before they are traced into the blocks' graphs: at the
-        first forward, and as each observed step begins. A block compiled after attach is then
-        observed from its parent, not at its own call (its OptimizedModule came after the hooks)."""
+        first forward, and as each observed step begins. Such a block keeps its own hooks (its
+        OptimizedModule came after them): they run around its graph, at its call."""
         inside = inside_compiled(self.modules[0], self._is_observed)
         if not inside:
             return
