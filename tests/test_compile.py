@@ -52,12 +52,28 @@ def run(tmp_path, name, *, compiled, watched, attach_after=False, fault_step=Non
     net = torch.compile(model, backend="aot_eager") if compiled else model
     if watched and attach_after:
         watch = ampwatch.attach(net, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=layer_every)
+    def after_step():
+        if held is not None and watch is not None and watch._held is not None:
+            held.append(watch._held.pack.step)
+
+    # fp16 output > 65504 from the fault step on
+    losses = _fp16_steps(net, opt, scaler, steps, fault_step, lambda: model.fc2.weight, after_step)
+    breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    if watch is not None:
+        watch.close()
+        return ampwatch.load(watch.path), losses, breaks, graphs
+    return None, losses, breaks, graphs
+
+
+def _fp16_steps(net, opt, scaler, steps, fault_step=None, fault_weight=None, after_step=None):
+    """``steps`` fp16 steps with a GradScaler on seeded batches (8 x 16 -> 4); from ``fault_step`` on,
+    ``fault_weight()`` blown up by 1e6 (an fp16 overflow). The losses."""
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
         if step == fault_step:
             with torch.no_grad():
-                model.fc2.weight.mul_(1e6)  # fp16 output > 65504 from here on
+                fault_weight().mul_(1e6)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         with torch.autocast("cpu", dtype=torch.float16):
             out = net(x)
@@ -67,13 +83,9 @@ def run(tmp_path, name, *, compiled, watched, attach_after=False, fault_step=Non
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        if held is not None and watch is not None and watch._held is not None:
-            held.append(watch._held.pack.step)
-    breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
-    if watch is not None:
-        watch.close()
-        return ampwatch.load(watch.path), losses, breaks, graphs
-    return None, losses, breaks, graphs
+        if after_step is not None:
+            after_step()
+    return losses
 
 
 def _train(net, model_opt_scaler, x, steps):
@@ -672,21 +684,7 @@ def _train_tower_under_defaults(tmp_path, name, *, watched, when="before", fault
         if watched else None
     if when == "after":
         compile_blocks()
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for step in range(steps):
-        if step == fault_step:
-            with torch.no_grad():
-                model.blocks[6].fc2.weight.mul_(1e6)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = model(x)
-        loss = F.mse_loss(out.float(), y)
-        losses.append(loss.detach().clone())
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    losses = _fp16_steps(model, opt, scaler, steps, fault_step, lambda: model.blocks[6].fc2.weight)
     graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     hook_guards = watch is not None and watch.observer._split.guarded  # fell back to guards on hook dicts
     run_ = None
@@ -735,15 +733,7 @@ def test_a_submodule_compiled_alone_is_observed_inside_its_graph(tmp_path, recor
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
         watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "one.sqlite"), layer_every=3)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(4):
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+        _fp16_steps(model, opt, scaler, 4)
         watch.close()
     modules = ampwatch.load(watch.path).modules
     for step in (0, 3):
