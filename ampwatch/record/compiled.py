@@ -78,6 +78,29 @@ def inside_compiled(root: torch.nn.Module, observed: Any = None) -> set[int]:
     return inside
 
 
+class CompiledBlocks:
+    """:func:`inside_compiled`, worked out again only when the module tree changed (a child replaced,
+    as by ``blocks[i] = torch.compile(block)``, or a module compiled in place): it is asked as each
+    observed step begins and ends, and walking the tree took ~80 us on GPT-2 small's."""
+
+    def __init__(self, root: torch.nn.Module, observed: Any = None) -> None:
+        self.root, self.observed = root, observed
+        self._modules = list(root.modules())
+        self._key = self._tree_key()
+        self.inside = inside_compiled(root, observed)
+
+    def _tree_key(self) -> tuple:
+        return (tuple([id(child) for m in self._modules for child in m._modules.values()]),
+                sum(1 for m in self._modules if getattr(m, "_compiled_call_impl", None) is not None))
+
+    def get(self) -> set[int]:
+        if self._tree_key() != self._key:
+            self._modules = list(self.root.modules())
+            self._key = self._tree_key()
+            self.inside = inside_compiled(self.root, self.observed)
+        return self.inside
+
+
 def guard_module_hooks() -> None:
     """Make Dynamo guard on module hooks from now on, for every compiled model of the process. By
     default it does not guard empty hook dicts (``skip_nnmodule_hook_guards``): a graph traced
@@ -119,6 +142,8 @@ class GraphSplit:
         self.flag = Flag(on)
         self.guarded = False  # fell back to Dynamo's guards on every hook dict
         # the forwards Dynamo would compile as frames of their own after a graph break
+        self._blocks = CompiledBlocks(root)
+        self._codes_of: Any = None  # the blocks' set _codes was worked out for
         self._codes = self._model_codes()
         # graphs cached for them before attach were traced without the hooks, for this model or a
         # twin, and so were those of the frames Dynamo resumes in after a graph break (code objects
@@ -152,15 +177,17 @@ class GraphSplit:
     def _model_codes(self) -> set:
         """The forwards of the model's classes, but for those of blocks compiled on their own
         (:func:`inside_compiled`): no hook is traced into their graphs, which need no telling apart."""
-        inside = inside_compiled(self.root)
-        return {code for m in self.root.modules() if id(m) not in inside
-                and (code := getattr(getattr(type(m), "forward", None), "__code__", None)) is not None}
+        inside = self._blocks.get()
+        if inside is not self._codes_of:  # blocks may have been compiled since
+            self._codes_of = inside
+            self._codes = {code for m in self.root.modules() if id(m) not in inside
+                           and (code := getattr(getattr(type(m), "forward", None), "__code__", None)) is not None}
+        return self._codes
 
     def _broken(self) -> bool:
         if self.root.__dict__.get("forward") is not self.wrapper:
             return True
-        self._codes = self._model_codes()  # blocks may have been compiled since attach
-        return any(_cache_entries(code) for code in self._codes)
+        return any(_cache_entries(code) for code in self._model_codes())
 
     def fall_back(self, drop_all: bool = True) -> None:
         """Guard every hook dict from now on; ``drop_all``: drop every graph of the process, so none

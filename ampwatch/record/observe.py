@@ -59,7 +59,7 @@ import torch
 
 from . import torch_access
 from .batched import BatchedReducer
-from .compiled import GraphSplit, inside_compiled
+from .compiled import CompiledBlocks, GraphSplit
 from .copies import ours
 from .hoststats import HostQueue, HostStats
 from .slots import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
@@ -341,7 +341,8 @@ class ModuleObserver:
         # id(module) -> its index: the hooks find their module's index here (see _hooks)
         self._index_of: dict[int, int] = {id(m): i for i, m in enumerate(modules)}
         self._before_hook, self._after_hook = _hooks(self._id)
-        inside = inside_compiled(modules[0], self._is_observed)
+        self._blocks = CompiledBlocks(modules[0], self._is_observed)
+        inside = self._blocks.inside
         for index, module in enumerate(modules):
             if id(module) in inside:  # inside a block compiled on its own: observed from outside it
                 continue
@@ -401,7 +402,7 @@ class ModuleObserver:
         (``compiled.inside_compiled``), before they are traced into the blocks' graphs: at the
         first forward, and as each observed step begins. Such a block keeps its own hooks (its
         OptimizedModule came after them): they run around its graph, at its call."""
-        inside = inside_compiled(self.modules[0], self._is_observed)
+        inside = self._blocks.get()
         if not inside:
             return
         kept = []
@@ -425,7 +426,7 @@ class ModuleObserver:
         """For a replay (its numbers are thrown away): hooks on the modules inside blocks compiled on
         their own, and compiled code run eagerly (``torch.compiler.set_stance``, torch >= 2.6), so
         a replayed fault is localized inside its block. Nothing is traced: no graph compiles."""
-        inside = inside_compiled(self.modules[0], self._is_observed)
+        inside = self._blocks.get()
         set_stance = getattr(torch.compiler, "set_stance", None)
         indices = [i for i, m in enumerate(self.modules) if id(m) in inside]
         if not indices or set_stance is None:
