@@ -315,12 +315,12 @@ class DropNorm(nn.Module):
         return self.drop(self.bn(self.lin(x))) * self.boost
 
 
-def _train_dropnorm(path: Path, fp32_check: bool, steps: int = 6) -> tuple[dict, torch.Tensor]:
+def _train_dropnorm(path: Path, fp32_check: bool, steps: int = 6, layer_every: int = 20) -> tuple[dict, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), DropNorm(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gs = torch.amp.GradScaler("cpu")
-    with ampwatch.attach(model, opt, gs, path=str(path), fp32_check=fp32_check):
+    with ampwatch.attach(model, opt, gs, path=str(path), fp32_check=fp32_check, layer_every=layer_every):
         for step in range(steps):
             model[1].boost = 1e6 if step in (2, 4) else 1.0
             x = torch.randn(16, 8)
@@ -333,12 +333,17 @@ def _train_dropnorm(path: Path, fp32_check: bool, steps: int = 6) -> tuple[dict,
     return model.state_dict(), torch.get_rng_state()
 
 
-@pytest.mark.parametrize("accelerator_path", [False, True], ids=["host-reads", "device-stats"])
-def test_fp32_recompute_changes_nothing(tmp_path, monkeypatch, accelerator_path):
+@pytest.mark.parametrize("accelerator_path,layer_every", [(False, 20), (True, 20), (True, 2)],
+                         ids=["host-reads", "device-stats-replayed", "device-stats-observed-live"])
+def test_fp32_recompute_changes_nothing(tmp_path, monkeypatch, accelerator_path, layer_every):
+    """Steps 2 and 4 overflow. On the device path they are replayed (observed, inputs kept, between
+    layer_every steps) or, with layer_every=2, observed live: then no input was kept, and the
+    origin's are fetched by running its forward again (dropout's RNG and BatchNorm's running stats
+    restored after)."""
     if accelerator_path:  # stats stay on the device; the skip (free to know) triggers the recompute
         monkeypatch.setattr(torch_access, "reads_are_free", lambda device: False)
-    with_state, with_rng = _train_dropnorm(tmp_path / "with.sqlite", True)
-    without_state, without_rng = _train_dropnorm(tmp_path / "without.sqlite", False)
+    with_state, with_rng = _train_dropnorm(tmp_path / "with.sqlite", True, layer_every=layer_every)
+    without_state, without_rng = _train_dropnorm(tmp_path / "without.sqlite", False, layer_every=layer_every)
     assert with_state.keys() == without_state.keys()
     for k in with_state:  # parameters and buffers (BatchNorm running stats, num_batches_tracked)
         assert torch.equal(with_state[k], without_state[k]), k

@@ -361,3 +361,122 @@ def test_the_root_hooks_list_of_tensors_is_the_nested_walk_in_the_same_order():
         assert [id(x) for x in listed] == [id(x) for x in walked]
     assert torch_access.tensors_in(((((t[7],),),),)) == []  # deeper than three levels: left out, as before
     assert len(torch_access.tensors_in(cases[1])) == 3  # t[3] sits four levels down
+
+
+# -- memory: a step observed live keeps no inputs where a replay can fetch them -------------------------
+
+def _allocation_peak(fn) -> int:
+    """Bytes above the start at the highest point of the CPU allocations ``fn`` made, from the
+    profiler's memory events in order (the CPU allocator keeps no peak statistic)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = top = 0
+    for event in events:
+        now += event.nbytes()
+        top = max(top, now)
+    return top
+
+
+def _observed_step_peak(tmp_path, name: str, *, fp32_check: bool, replay: bool = True) -> int:
+    """The allocation peak of step 2, observed live (layer_every=2), of 40 Linear -> Dropout pairs:
+    a Dropout's input (its Linear's output) is not saved for backward, so autograd frees it during
+    the forward; a kept reference would hold each one to the step's end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(40) for m in (nn.Linear(64, 64), nn.Dropout(0.1))])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(256, 64)
+    peaks = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=2,
+                         fp32_check=fp32_check, replay=replay) as watch:
+        for step in range(3):
+            run = lambda: amp_step(model, opt, scaler, x, x[:, :64])  # noqa: E731
+            if step == 2:
+                assert watch.observer.observing
+                peaks.append(_allocation_peak(run))
+            else:
+                run()
+    return peaks[0]
+
+
+def test_a_step_observed_live_keeps_no_inputs_for_the_fp32_recompute(tmp_path):
+    """The fp32 recompute needs a bad step's origin's inputs. Kept by reference on every observed
+    step, they held 40 Dropout inputs (fp16, 256 x 64: 32 KiB each) to the step's end. With a
+    replay possible, a live step keeps none (a bad one runs its forward again for them), so the
+    observed step's peak is the one without the fp32 check; without a replay it keeps them."""
+    kept = 40 * 256 * 64 * 2
+    with_check = _observed_step_peak(tmp_path, "check", fp32_check=True)
+    without = _observed_step_peak(tmp_path, "nocheck", fp32_check=False)
+    assert abs(with_check - without) < kept / 8
+    live = _observed_step_peak(tmp_path, "live", fp32_check=True, replay=False)
+    live_without = _observed_step_peak(tmp_path, "live_nocheck", fp32_check=False, replay=False)
+    assert live - live_without > kept / 2  # kept on every step: the inputs the peak above is free of
+
+
+def _dropout_pairs(n: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(16, 16), nn.Dropout(0.1))])
+
+
+def test_an_observed_step_holds_no_activation_or_gradient_past_its_life(tmp_path):
+    """Observed tensors wait for their chunk (batched.py) before one reduction. They must not
+    outlive the pass that made them: a Linear's output feeding a Dropout (not saved for backward)
+    is gone once the forward returns, and the gradients of those outputs once the optimizer's step
+    begins, on an observed step as without ampwatch."""
+    import weakref
+    model = _dropout_pairs()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    outputs, grads, seen = [], [], {}
+
+    def keep_ref(module, args, output):
+        outputs.append(weakref.ref(output))
+        output.register_hook(lambda g: grads.append(weakref.ref(g)))
+
+    def at_optimizer_step(optimizer, args, kwargs):  # registered after attach: runs after ampwatch's
+        seen["grads alive"] = sum(r() is not None for r in grads)
+
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"), layer_every=2) as watch:
+        for linear in model[0::2]:
+            linear.register_forward_hook(keep_ref)
+        opt.register_step_pre_hook(at_optimizer_step)
+        for step in range(3):
+            outputs.clear(), grads.clear()
+            observed = watch.observer.observing
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            alive_after_forward = sum(r() is not None for r in outputs)
+            scaler.scale(F.mse_loss(out.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            assert len(outputs) == 6 and len(grads) == 6
+            assert (alive_after_forward, seen["grads alive"]) == (0, 0), (step, observed)
+    assert set(ampwatch.load(tmp_path / "run.sqlite").modules["step"]) == {0, 2}  # observed: 0 and 2
+
+
+def test_a_healthy_steps_output_gradient_goes_before_its_optimizer_step(tmp_path):
+    """A replay needs the gradient that reached the model's outputs, kept from the backward. A step
+    whose update begins will not be replayed: the loop's logits' gradient is let go then, not at
+    the step's end (it hung on the logits' graph node, alive while the loop holds the logits)."""
+    import weakref
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    refs, seen = [], []
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite")):
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(refs[-1]() is not None))
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(x)
+            logits.register_hook(lambda g: refs.append(weakref.ref(g)))
+            scaler.scale(F.mse_loss(logits.float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    assert seen == [False, False, False]

@@ -24,6 +24,7 @@ the wrapper) and falls back, once, to guards on every hook dict, with Dynamo's c
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from typing import Any
@@ -37,6 +38,14 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile(model)`` returns an OptimizedModule: hook the module it compiles, so the hooks
     are traced into its graph."""
     return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+
+
+def run_eagerly() -> Any:
+    """A context in which compiled code runs eagerly, as Python (``torch.compiler.set_stance``,
+    torch >= 2.6; a no-op before): for runs whose numbers are thrown away (a replay, the fp32
+    recompute), which must not compile graphs of their own or skip the module hooks they rely on."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def inside_compiled(root: torch.nn.Module, observed: Any = None) -> set[int]:

@@ -565,6 +565,15 @@ class ModuleObserver:
         else:
             self._batch.drop()
 
+    def flush_pending(self) -> None:
+        """Reduce what waits for its chunk now (the accelerator path; one launch): the gradients a
+        backward left pending, before the optimizer's step, often a training step's peak."""
+        if self._host is None and self.observing:
+            try:
+                self._batch.flush()
+            except Exception as exc:
+                self._failed(exc)
+
     def first_bytes(self) -> list[torch.Tensor]:
         """The micro-batch marks as bytes, when this step made any (several micro-batches)."""
         return [self._first.view(torch.uint8)] if self._first_used and self._first is not None else []
@@ -840,6 +849,10 @@ class ModuleObserver:
                 self.keeper.settle(index)
             if learning:
                 self._finish.append(index)
+            if index == 0 and self._host is None:
+                # the forward is done: what waits for its chunk is reduced now, not held into the
+                # backward (activations autograd frees, such as a dropout's input, at its peak)
+                self._batch.flush()
         except Exception as exc:  # recording must never take training down
             self._failed(exc)
 

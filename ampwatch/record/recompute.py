@@ -16,7 +16,14 @@ How it stays out of training's way:
   holds the last micro-batch's call: an origin born in an earlier micro-batch gets no recompute.
   Memory: inputs that autograd would have freed during backward stay alive until the step ends. Most
   are saved for backward anyway (a Linear keeps its input); the extra is the inputs of modules whose
-  backward does not need them (elementwise, residual containers): at most one forward's activations.
+  backward does not need them (dropout, elementwise, residual containers): up to one forward's
+  activations, at the step's peak (GPT-2 small's widths, 2 x 64 tokens: +44 MiB on a 781 MiB peak,
+  ``bench/memory.py``).
+* So where a skipped step can be replayed (replay.py: an accelerator, one process) it keeps nothing
+  on the steps it observes live (the ``layer_every`` steps): it keeps during replays only, and a
+  live observed step that turns out bad gets its origin's inputs back by running that micro-batch's
+  forward again up to the origin's call (:meth:`.replay.Replayer.inputs_of`: no grad, the same RNG
+  and autocast state, buffers restored), once, on that step only.
 * The recompute runs only on a step already known to be bad without a sync: where reads are free
   (CPU) the hooks saw the non-finite value; on an accelerator, only a step the GradScaler skipped
   (it did not call ``optimizer.step()``: the host knows that for free). An accelerator run without a
@@ -34,14 +41,13 @@ How it stays out of training's way:
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable, Optional
 
 import torch
 
 from . import torch_access
-from .compiled import uncompiled
+from .compiled import run_eagerly, uncompiled
 from .observe import ModuleObserver, tensor_list, nested_tensors_of
 
 
@@ -87,9 +93,13 @@ class InputKeeper:
         self._inputs: dict[int, tuple[Any, Any, list[int], list]] = {}
         self._pinned: set[int] = set()
         self.autocast: Optional[dict[str, tuple[bool, torch.dtype]]] = None
+        # a replay.Replayer: keep only while it replays, and fetch a live step's inputs from it
+        self.replayer: Any = None
 
     def keep(self, index: int, args: Any, kwargs: Any, tensors: list) -> None:
         """Called by the observer's pre-hook with the call's floating tensors (already listed)."""
+        if self.replayer is not None and not self.replayer.replaying:  # a live step: fetched if bad
+            return
         if index == 0:  # the root, once per micro-batch: the autocast state its modules ran under
             self.autocast = autocast_state()
         if index not in self._pinned:  # one input (most modules): no comprehension frame
@@ -119,6 +129,8 @@ class InputKeeper:
         last micro-batch: when the overflow was in an earlier one, they are not the inputs that
         overflowed, so (None, None)."""
         kept = self._inputs.get(index)
+        if kept is None and self.replayer is not None:  # a step observed live: its inputs fetched now
+            kept = self._fetch(index, micro_batch)
         if kept is None:
             return None, None
         args, kwargs, versions, _, kept_batch = kept
@@ -135,6 +147,23 @@ class InputKeeper:
         if fp32 is None or not math.isfinite(fp32):
             return fp32, None
         return fp32, recompute_as_run(module, args, kwargs, self.autocast, self._observer)
+
+    def _fetch(self, index: int, micro_batch: Optional[int]) -> Optional[tuple]:
+        """Module ``index``'s inputs in ``micro_batch`` (None: the last), by running that forward
+        again up to the module's call, with the observer paused."""
+        batch = len(self.replayer.batches) - 1 if micro_batch is None else micro_batch
+        observer = self._observer
+        was_active, observer.active = observer.active, False
+        try:
+            got = self.replayer.inputs_of(observer.modules[index], batch)
+        finally:
+            observer.active = was_active
+        if got is None:
+            return None
+        args, kwargs, self.autocast = got
+        tensors = tensor_list(args) + tensor_list(kwargs)
+        kept = self._inputs[index] = (args, kwargs, _versions(args, kwargs), tensors, batch)
+        return kept
 
 
 def _is_cache(obj: Any) -> bool:
@@ -219,12 +248,6 @@ def _whole(module: torch.nn.Module) -> bool:
     return not any(torch_access.is_sharded(p) or p.untyped_storage().size() == 0 for p in module.parameters())
 
 
-def _eager() -> Any:
-    """Compiled code called inside runs eagerly (``torch.compiler.set_stance``, torch >= 2.6)."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
-
-
 def _run_again(module: torch.nn.Module, params: dict, buffers: dict, autocast_for: Callable,
                inputs: Callable, observer: Optional[ModuleObserver]) -> Optional[float]:
     """The module's forward (not __call__: its own hooks already ran on the kept inputs) with
@@ -239,7 +262,7 @@ def _run_again(module: torch.nn.Module, params: dict, buffers: dict, autocast_fo
     if observer is not None:
         observer.active = False
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), _eager(), \
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), run_eagerly(), \
                 torch.autocast(device_type, dtype=dtype, enabled=enabled), _swapped(module, {**params, **buffers}):
             args, kwargs = inputs()
             # blocks compiled on their own run eagerly here: called without grad or autocast, each

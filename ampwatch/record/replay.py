@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from . import torch_access
+from .compiled import run_eagerly
 from .copies import ours
 from .observe import add_grad_hook
 
@@ -53,6 +54,10 @@ def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, re
     if any(type(m).__name__ in wrapped or type(m).__name__.startswith("FSDP") for m in model.modules()):
         return False
     return all(type(p) is torch.nn.Parameter for p in params)
+
+
+class _Reached(Exception):
+    """Raised by :meth:`Replayer.inputs_of`'s pre-hook: the module is reached, the rest is not run."""
 
 
 class NotReplayable(Exception):
@@ -163,6 +168,15 @@ class Replayer:
             if pos not in internal:
                 add_grad_hook(t, t.grad_fn, partial(_keep_grad, batch.grads, pos))
 
+    def release(self) -> None:
+        """This step's update is under way and will not be replayed: its references go now (a
+        forward later in the step is kept again, until :meth:`clear`). Each batch's gradients are
+        emptied too: the hook that filled them hangs on the output's graph node, which lives as
+        long as the loop holds its output (``logits``, to the end of the step)."""
+        for batch in self.batches:
+            batch.grads.clear()
+        self.batches = []
+
     def clear(self) -> None:
         """The step ended: its references go."""
         self.batches = []
@@ -230,6 +244,49 @@ class Replayer:
                 for b, kept in buffers:
                     b.copy_(kept)
         return reproduced and not unfaithful
+
+    def inputs_of(self, module: torch.nn.Module, index: int) -> Optional[tuple[Any, Any, dict]]:
+        """The arguments ``module`` ran on in micro-batch ``index`` of this step, got by running that
+        forward again, without grad, up to the module's call (after its other pre-hooks, which may
+        replace them), and the autocast state it ran under; None when the module is not reached or
+        the micro-batch cannot run again. For the fp32 recompute of a step observed live (whose
+        inputs were not kept: recompute.py). RNG states and buffers are left as they were; compiled
+        code runs eagerly (the module's call must run as Python)."""
+        from .recompute import autocast_state
+        if self.broken or not 0 <= index < len(self.batches):
+            return None
+        batch = self.batches[index]
+        try:
+            batch.check_unchanged(index)
+        except NotReplayable:
+            return None
+        got: list = []
+
+        def grab(_module: Any, args: Any, kwargs: Any) -> None:
+            got.append((args, kwargs, autocast_state()))
+            raise _Reached
+
+        handle = module.register_forward_pre_hook(grab, with_kwargs=True)
+        buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
+        now = self._rng()
+        self.replaying = True
+        try:
+            self._set_rng(batch.rng)
+            enabled, dtype = batch.autocast
+            with torch.no_grad(), run_eagerly(), torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
+                self.root(*batch.args, **batch.kwargs)
+        except _Reached:
+            pass
+        except Exception:  # the user's model, run again outside its step: no inputs, not a failure
+            return None
+        finally:
+            handle.remove()
+            self.replaying = False
+            self._set_rng(now)
+            with torch.no_grad():
+                for b, kept in buffers:
+                    b.copy_(kept)
+        return got[0] if got else None
 
     def hand_over(self) -> list:
         """This step's kept micro-batches, for a replay after the step ended (a fused optimizer's

@@ -160,6 +160,8 @@ class Watch:
             if self.options["replay"] and replay.possible(uncompiled(self.model), self._params, self.scaler,
                                                           self._reads_free):
                 self.replayer = replay.Replayer(uncompiled(self.model), self._device)
+                if self.observer.keeper is not None:  # inputs kept in replays only (recompute.py)
+                    self.observer.keeper.replayer = self.replayer
         shared = module_aliases(uncompiled(self.model)) if module_names else {}
         tensors = list(names) + [
             {"id": len(names) + i, "kind": "module", "name": n, "type": t,
@@ -485,6 +487,8 @@ class Watch:
             self.observer.discard()  # the replay's values are not this step's
             self.replayer.remove()
             self.replayer = None
+            if self.observer.keeper is not None:  # observed live from now on: inputs kept live too
+                self.observer.keeper.replayer = None
             self.writer.put_notice(self.step, "replay-not-reproduced",
                                    f"a replay of this skipped step did not reproduce it from the model's inputs "
                                    f"and output gradients ({why}), so it is not localized; module values are "
@@ -520,11 +524,19 @@ class Watch:
         if self._fused:  # the scaler checked the gradients: the flag is made (no unscale_ before)
             self._start_skip_flag()
         self._early_scalars = None
+        if self.observer is not None:  # a backward's pending gradients, out of the optimizer's peak
+            self.observer.flush_pending()
         self.grads.measure(self._detail_step())
         if (self.replayer is not None and not self.observer.observing
                 and not (self.scaler is not None and torch_access.scaler_enabled(self.scaler))):
             self._replay_if_bad()
         self._fp32_check(False)
+        if self.replayer is not None and not self._fused:
+            # this step's update is about to happen, so it will not be replayed: its kept inputs
+            # and output gradients (a large vocabulary's logits gradient) go now, not at the step's
+            # end, and stay out of the optimizer's peak. A fused optimizer may still skip inside
+            # its kernel: its step keeps them
+            self.replayer.release()
 
     def _replay_if_bad(self) -> None:
         """Without a GradScaler nothing skips a bad step: its update is about to happen. Before it
