@@ -22,6 +22,8 @@ steady loop).
     python bench/memory.py                       # eager: base, ampwatch, localize=False
     python bench/memory.py --compile inductor    # the same, compiled
     python bench/memory.py --loss inside         # the loss computed by the model (labels=...)
+    python bench/memory.py --seq 256 --batch 4   # more tokens: activations, not AdamW, make the peak
+    python bench/memory.py --fp16 --fused        # a fused GradScaler loop (slow where fp16 is emulated)
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
     cls = with_own_code(GPT2LMHeadModel) if args.compile and options is None else GPT2LMHeadModel
     model = cls(config).to(device).train()
     x = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused)
     scaler = torch.amp.GradScaler(device.type) if args.fp16 else None
     watch = None
     if options is not None:
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2 * LAYER_EVERY + 1)
     ap.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler instead of bf16")
+    ap.add_argument("--fused", action="store_true", help="AdamW(fused=True): with --fp16 its skip is read a "
+                    "step late, and the step's kept output gradients live until then (deferred.py)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -167,7 +171,7 @@ def main() -> None:
     mib = 2 ** 20
     mode = f"torch.compile({args.compile})" if args.compile else "eager"
     print(f"\n## GPT-2 small (12 x 768, vocab 50257), batch {args.batch} x {args.seq} tokens, {mode}, "
-          f"{'fp16 + GradScaler' if args.fp16 else 'bf16'}, loss {args.loss}, {args.device}, torch {torch.__version__}\n")
+          f"{'fp16 + GradScaler' if args.fp16 else 'bf16'}, {'AdamW(fused=True)' if args.fused else 'AdamW'}, loss {args.loss}, {args.device}, torch {torch.__version__}\n")
     print("| variant | peak, between observed (MiB) | added | peak, observed step (MiB) | added | held after a step (MiB) |")
     print("|---|---|---|---|---|---|")
 

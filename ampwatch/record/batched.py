@@ -7,6 +7,10 @@ every ``CHUNK`` tensors (or ``CHUNK_BYTES`` of them: no more than that is held p
 ``_foreach_norm`` call costs ~50-100 us of host time, so flushing often costs more than it saves)
 one multi-tensor ``torch._foreach_norm(..., inf)`` reduces them all to max |x| (NaN propagates into
 it, inf stays inf: what the host needs to tell finite, inf and NaN apart and to measure headroom).
+The observer also flushes when the root's forward returns and before the optimizer's step, so a
+pending tensor never lives into the pass after the one that made it (an activation autograd frees,
+such as a dropout's input, held into the backward; a backward's gradients held through the
+optimizer's step, where a step's peak often is: ``bench/memory.py``).
 At the step's end the per-observation maxima are folded into the stats buffer's (min, max) rows as
 (-amax, amax), the running max kept for a slot observed several times, in a few ops per dtype.
 
