@@ -448,3 +448,36 @@ def test_a_crashed_run_is_an_error_with_its_last_line(tmp_path):
     assert "crashed" in out and "ValueError: bad batch 3: shape mismatch" in out.splitlines()[-1]
     ls = runner.invoke(cli, ["ls", str(tmp_path)]).output
     assert "error: The run crashed at step 3: ValueError" in ls
+
+
+def test_a_live_observed_step_recomputes_the_micro_batch_its_origin_was_born_in(tmp_path, monkeypatch):
+    """Device path, layer_every=2: step 2 is observed live and the first of its two micro-batches
+    overflows the first Linear (inputs of 1e5). Its inputs were not kept (nothing is, on a live
+    step where a replay is possible): that micro-batch's forward runs again for them, so the
+    recompute is of the call that overflowed, where keeping the latest call's inputs gave none
+    (they were the second micro-batch's)."""
+    monkeypatch.setattr(torch_access, "reads_are_free", lambda device: False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gs = torch.amp.GradScaler("cpu")
+    truth = {}
+    with ampwatch.attach(model, opt, gs, path=str(tmp_path / "run.sqlite"), layer_every=2) as watch:
+        for step in range(4):
+            for micro in range(2):
+                x = torch.randn(16, 8) * (1e5 if (step, micro) == (2, 0) else 1.0)
+                if (step, micro) == (2, 0):
+                    with torch.no_grad():
+                        truth["fp32"] = float(model[0](x).abs().max())
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean() / 2
+                gs.scale(loss).backward()
+            assert watch.observer.observing == (step % 2 == 0)
+            gs.step(opt)
+            gs.update()
+            opt.zero_grad(set_to_none=True)
+    ev = ampwatch.load(tmp_path / "run.sqlite").events
+    origin = ev[ev["origin"] & (ev["phase"] == "forward")]
+    assert origin[["step", "module", "micro_batch"]].values.tolist() == [[2, "0", 0]]
+    assert truth["fp32"] > 65504
+    assert origin["fp32_amax"].iloc[0] == pytest.approx(truth["fp32"], rel=1e-3)

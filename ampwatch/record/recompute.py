@@ -22,8 +22,8 @@ How it stays out of training's way:
 * So where a skipped step can be replayed (replay.py: an accelerator, one process) it keeps nothing
   on the steps it observes live (the ``layer_every`` steps): it keeps during replays only, and a
   live observed step that turns out bad gets its origin's inputs back by running that micro-batch's
-  forward again up to the origin's call (:meth:`.replay.Replayer.inputs_of`: no grad, the same RNG
-  and autocast state, buffers restored), once, on that step only.
+  forward again (:meth:`.replay.Replayer.inputs_of`: no grad, the same RNG and autocast state,
+  buffers restored), once, on that step only.
 * The recompute runs only on a step already known to be bad without a sync: where reads are free
   (CPU) the hooks saw the non-finite value; on an accelerator, only a step the GradScaler skipped
   (it did not call ``optimizer.step()``: the host knows that for free). An accelerator run without a
@@ -150,7 +150,7 @@ class InputKeeper:
 
     def _fetch(self, index: int, micro_batch: Optional[int]) -> Optional[tuple]:
         """Module ``index``'s inputs in ``micro_batch`` (None: the last), by running that forward
-        again up to the module's call, with the observer paused."""
+        again with the observer paused."""
         batch = len(self.replayer.batches) - 1 if micro_batch is None else micro_batch
         observer = self._observer
         was_active, observer.active = observer.active, False

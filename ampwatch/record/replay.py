@@ -56,10 +56,6 @@ def possible(model: torch.nn.Module, params: list[torch.Tensor], scaler: Any, re
     return all(type(p) is torch.nn.Parameter for p in params)
 
 
-class _Reached(Exception):
-    """Raised by :meth:`Replayer.inputs_of`'s pre-hook: the module is reached, the rest is not run."""
-
-
 class NotReplayable(Exception):
     """A kept micro-batch cannot be run again as it ran (its message says why)."""
 
@@ -246,12 +242,13 @@ class Replayer:
         return reproduced and not unfaithful
 
     def inputs_of(self, module: torch.nn.Module, index: int) -> Optional[tuple[Any, Any, dict]]:
-        """The arguments ``module`` ran on in micro-batch ``index`` of this step, got by running that
-        forward again, without grad, up to the module's call (after its other pre-hooks, which may
-        replace them), and the autocast state it ran under; None when the module is not reached or
-        the micro-batch cannot run again. For the fp32 recompute of a step observed live (whose
-        inputs were not kept: recompute.py). RNG states and buffers are left as they were; compiled
-        code runs eagerly (the module's call must run as Python)."""
+        """The arguments ``module`` ran on in micro-batch ``index`` of this step (its latest call
+        there, as the keeper keeps them: a shared module is called more than once), got by running
+        that forward again without grad (after the module's other pre-hooks, which may replace
+        them), and the autocast state it ran under; None when the module is not reached or the
+        micro-batch cannot run again. For the fp32 recompute of a step observed live (whose inputs
+        were not kept: recompute.py). RNG states and buffers are left as they were; compiled code
+        runs eagerly (the module's call must run as Python)."""
         from .recompute import autocast_state
         if self.broken or not 0 <= index < len(self.batches):
             return None
@@ -263,8 +260,7 @@ class Replayer:
         got: list = []
 
         def grab(_module: Any, args: Any, kwargs: Any) -> None:
-            got.append((args, kwargs, autocast_state()))
-            raise _Reached
+            got[:] = [(args, kwargs, autocast_state())]
 
         handle = module.register_forward_pre_hook(grab, with_kwargs=True)
         buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
@@ -275,8 +271,6 @@ class Replayer:
             enabled, dtype = batch.autocast
             with torch.no_grad(), run_eagerly(), torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
                 self.root(*batch.args, **batch.kwargs)
-        except _Reached:
-            pass
         except Exception:  # the user's model, run again outside its step: no inputs, not a failure
             return None
         finally:
