@@ -531,11 +531,11 @@ class Watch:
                 and not (self.scaler is not None and torch_access.scaler_enabled(self.scaler))):
             self._replay_if_bad()
         self._fp32_check(False)
-        if self.replayer is not None and not self._fused:
+        if self.replayer is not None and (not self._fused or self.observer.observing):
             # this step's update is about to happen, so it will not be replayed: its kept inputs
             # and output gradients (a large vocabulary's logits gradient) go now, not at the step's
             # end, and stay out of the optimizer's peak. A fused optimizer may still skip inside
-            # its kernel: its step keeps them
+            # its kernel: its step keeps them, unless it is observed live (then never replayed)
             self.replayer.release()
 
     def _replay_if_bad(self) -> None:
