@@ -42,6 +42,7 @@ from . import torch_access
 from .compiled import run_eagerly
 from .copies import ours
 from .observe import add_grad_hook
+from .recompute import autocast_state
 
 MAX_BATCHES = 1024  # root forwards kept per step, at most
 
@@ -249,7 +250,6 @@ class Replayer:
         micro-batch cannot run again. For the fp32 recompute of a step observed live (whose inputs
         were not kept: recompute.py). RNG states and buffers are left as they were; compiled code
         runs eagerly (the module's call must run as Python)."""
-        from .recompute import autocast_state
         if self.broken or not 0 <= index < len(self.batches):
             return None
         batch = self.batches[index]
