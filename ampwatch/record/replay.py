@@ -32,9 +32,10 @@ hooks observe every step, as before.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -202,44 +203,37 @@ class Replayer:
         where = [i for i, p in enumerate(params) if p.requires_grad]  # trainable -> position in params
         kept = [p.grad for p in trainable]  # nested backward passes (reentrant checkpointing) accumulate
         reproduced = unfaithful = False
-        buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
-        now = self._rng()
-        self.replaying = True
-        try:
-            with torch.enable_grad():
-                for batch in batches:
-                    self._set_rng(batch.rng)
-                    enabled, dtype = batch.autocast
-                    with torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
-                        output = self.root(*batch.args, **batch.kwargs)
-                    outputs = _grad_outputs(output)
-                    pairs = [(outputs[pos], g) for pos, g in batch.grads.items() if pos < len(outputs)]
-                    if pairs and not _finite([g for _, g in pairs]) and _finite([t for t, _ in pairs]):
-                        # the loss went non-finite from outputs this forward made finite: not the same step
-                        unfaithful = True
-                    if pairs and trainable:
-                        for p in trainable:
-                            p.grad = None
-                        leaves = _leaves([t for t, _ in pairs], trainable)
-                        grads = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
-                                                    allow_unused=True)
-                        if grads_out is not None:
-                            _add_grads(grads_out, [g if g is not None else p.grad
-                                                   for g, p in zip(grads[:len(trainable)], trainable)], where)
-                        grads = [g for g in grads[:len(trainable)] if g is not None]
-                        grads += [p.grad for p in trainable if p.grad is not None]  # inside checkpoints
-                        if grads and not reproduced:
-                            reproduced = not _finite(grads)
-                        del grads, leaves
-                    del output, outputs, pairs
-        finally:
-            self.replaying = False
-            for p, grad in zip(trainable, kept):
-                p.grad = grad
-            self._set_rng(now)
-            with torch.no_grad():
-                for b, kept in buffers:
-                    b.copy_(kept)
+        with self._running_again():
+            try:
+                with torch.enable_grad():
+                    for batch in batches:
+                        self._set_rng(batch.rng)
+                        enabled, dtype = batch.autocast
+                        with torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
+                            output = self.root(*batch.args, **batch.kwargs)
+                        outputs = _grad_outputs(output)
+                        pairs = [(outputs[pos], g) for pos, g in batch.grads.items() if pos < len(outputs)]
+                        if pairs and not _finite([g for _, g in pairs]) and _finite([t for t, _ in pairs]):
+                            # the loss went non-finite from outputs this forward made finite: not the same step
+                            unfaithful = True
+                        if pairs and trainable:
+                            for p in trainable:
+                                p.grad = None
+                            leaves = _leaves([t for t, _ in pairs], trainable)
+                            grads = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
+                                                        allow_unused=True)
+                            if grads_out is not None:
+                                _add_grads(grads_out, [g if g is not None else p.grad
+                                                       for g, p in zip(grads[:len(trainable)], trainable)], where)
+                            grads = [g for g in grads[:len(trainable)] if g is not None]
+                            grads += [p.grad for p in trainable if p.grad is not None]  # inside checkpoints
+                            if grads and not reproduced:
+                                reproduced = not _finite(grads)
+                            del grads, leaves
+                        del output, outputs, pairs
+            finally:
+                for p, grad in zip(trainable, kept):
+                    p.grad = grad
         return reproduced and not unfaithful
 
     def inputs_of(self, module: torch.nn.Module, index: int) -> Optional[tuple[Any, Any, dict]]:
@@ -263,24 +257,33 @@ class Replayer:
             got[:] = [(args, kwargs, autocast_state())]
 
         handle = module.register_forward_pre_hook(grab, with_kwargs=True)
-        buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
-        now = self._rng()
-        self.replaying = True
         try:
-            self._set_rng(batch.rng)
-            enabled, dtype = batch.autocast
-            with torch.no_grad(), run_eagerly(), torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
-                self.root(*batch.args, **batch.kwargs)
+            with self._running_again():
+                self._set_rng(batch.rng)
+                enabled, dtype = batch.autocast
+                with torch.no_grad(), run_eagerly(), torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
+                    self.root(*batch.args, **batch.kwargs)
         except Exception:  # the user's model, run again outside its step: no inputs, not a failure
             return None
         finally:
             handle.remove()
+        return got[0] if got else None
+
+    @contextlib.contextmanager
+    def _running_again(self) -> Iterator[None]:
+        """For a run of kept micro-batches: the buffers (BatchNorm's running stats) and RNG states
+        put back as they were after it, and the root's hooks keeping nothing meanwhile."""
+        buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
+        now = self._rng()
+        self.replaying = True
+        try:
+            yield
+        finally:
             self.replaying = False
             self._set_rng(now)
             with torch.no_grad():
                 for b, kept in buffers:
                     b.copy_(kept)
-        return got[0] if got else None
 
     def hand_over(self) -> list:
         """This step's kept micro-batches, for a replay after the step ended (a fused optimizer's
