@@ -29,6 +29,15 @@ as a fallback (a graph break inside the model, docs/localization.md); copies com
 watch would pay those guards too (~50 us a call on this tree, ``bench/guards.py``) and hide them
 from the table, so these copies compile under torch's default whatever the process has set.
 
+Where the first step puts AdamW's moments on the CPU heap changes how fast the proxy's update
+arithmetic runs (148 small tensors, one kernel each): a watch's observed first step allocates and
+frees around the moments' making, and in a lazily made state the optimizer's own step ran up to
+~0.2 ms slower in the ampwatch copies, with the same ops. That is where tensors landed, not host
+time, and a GPU keeps the moments in device memory, so every copy's state is made before
+anything else runs (``state_now``; ``--lazy-state`` leaves it to the first step, as a loop does).
+The bench prints the optimizer's own step, timed between its step hooks, for each variant: where
+the variants' figures differ, the table carries that difference.
+
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
 
@@ -39,6 +48,7 @@ is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
     python bench/hostcost.py --fused           # AdamW(fused=True): a skip is read from the inf flag
     python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
     python bench/hostcost.py --no-clip         # a loop that does not clip: the recorder's own norms
+    python bench/hostcost.py --lazy-state      # AdamW's state made by the first step, where it lands
     python bench/hostcost.py --compile-time inductor   # seconds to compile, with and without ampwatch
     python bench/hostcost.py --compile-time inductor --compile-blocks inductor   # the same, block by block
 """
@@ -96,6 +106,26 @@ def hook_floor(model: torch.nn.Module) -> None:
         m.register_forward_hook(hook, with_kwargs=True)
 
 
+def state_now(opt: torch.optim.Optimizer) -> None:
+    """Make the optimizer's state now (one step at learning rate 0 on zero gradients: no weight
+    changes), as it would be made by the first ``step()``. On the CPU where a tensor lands on the
+    heap changes how fast the proxy's arithmetic runs on it (a single-tensor AdamW over 148 small
+    tensors: the moments made among whatever else the first step allocated ran ~0.2 ms a step
+    slower than moments made on their own, with the same ops): a CPU-cache effect of this proxy,
+    not host time. Every variant's state is made so before anything else runs (unless
+    ``--lazy-state``), so copies compare the host time added, not where their moments landed."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in opt.param_groups]
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+
+
 def make_step(model, net, x, opt, scaler, watch, clip: bool = True):
     """fp16 with a GradScaler; or, without a scaler, bf16 with the loss given to ``watch.log``.
     ``clip``: ``clip_grad_norm_`` every step, as nanoGPT, the HF Trainer and torchtitan do (the
@@ -130,7 +160,7 @@ class Variant:
     """One copy of the model, ampwatch attached once (or not), compiled or eager."""
 
     def __init__(self, options, folder: str, name: str, backend, fused: bool, bf16: bool, clip: bool = True,
-                 blocks_backend=None) -> None:
+                 blocks_backend=None, state_first: bool = False) -> None:
         # compiled copies without module observation (the base, localize=False): torch's default
         # guards, as in a process with no observing watch, and a cache of their own (see the
         # module docstring)
@@ -141,6 +171,8 @@ class Variant:
             for i, block in enumerate(blocks):
                 blocks[i] = torch.compile(block, backend=blocks_backend)
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
+        if state_first:
+            state_now(opt)
         scaler = None if bf16 else torch.amp.GradScaler("cpu")
         self.watch = None
         if options == "hook floor":
@@ -149,6 +181,19 @@ class Variant:
             self.watch = ampwatch.attach(self.model, opt, scaler, path=f"{folder}/{name}.sqlite", **options)
         net = torch.compile(self.model, backend=backend) if backend else self.model
         self.step = make_step(self.model, net, x, opt, scaler, self.watch, clip)
+        # the optimizer's own step, timed between its step hooks (registered after the watch's:
+        # what lies between them is the update's arithmetic, whose speed on this CPU depends on
+        # where its tensors landed; see state_now)
+        self.optimizer_times: list[float] = []
+        self._optimizer_began = 0.0
+        opt.register_step_pre_hook(self._optimizer_begins)
+        opt.register_step_post_hook(self._optimizer_ends)
+
+    def _optimizer_begins(self, *_) -> None:
+        self._optimizer_began = time.perf_counter()
+
+    def _optimizer_ends(self, *_) -> None:
+        self.optimizer_times.append(time.perf_counter() - self._optimizer_began)
 
     def compile_steps(self, n: int) -> None:
         """The first steps, which compile: a copy without module observation under torch's default
@@ -218,6 +263,9 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
     ap.add_argument("--no-clip", action="store_true", help="a loop without clip_grad_norm_ (the recorder measures "
                     "the gradient norms itself)")
+    ap.add_argument("--lazy-state", action="store_true", help="leave each copy's AdamW state to its first "
+                    "step, as a loop does, instead of making it before attaching (state_now): where that "
+                    "step puts it on the CPU heap moved the proxy's update arithmetic by up to ~0.2 ms a step")
     ap.add_argument("--compile-time", metavar="BACKEND", choices=["inductor", "aot_eager"], help="only time the compiling steps, with and without "
                     "ampwatch, with this backend (inductor's caches off)")
     args = ap.parse_args()
@@ -247,13 +295,17 @@ def main() -> None:
                 setattr(torch._dynamo.config, name,
                         max(getattr(torch._dynamo.config, name), 8 + 4 * len(specs) * args.copies))
     variants = {name: [Variant(options, folder, f"{name.replace('=', '_').replace(' ', '_')}_{c}", args.compile,
-                               args.fused, args.bf16, not args.no_clip, args.compile_blocks)
+                               args.fused, args.bf16, not args.no_clip, args.compile_blocks,
+                               not args.lazy_state)
                          for c in range(args.copies)]
                 for name, options in specs}
     for copies in variants.values():
         for v in copies:
             v.compile_steps(3)  # compiles (both graphs: the first steps observe), learns, warms up
             v.block(every - 3)  # blocks start on a layer_every step from here on
+    for copies in variants.values():
+        for v in copies:
+            v.optimizer_times.clear()  # the rounds' steps only
     mean: dict[str, list[float]] = {name: [] for name in variants}
     between: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
@@ -273,7 +325,8 @@ def main() -> None:
     mode = f"torch.compile({args.compile})" if args.compile else \
         f"torch.compile({args.compile_blocks}) per block" if args.compile_blocks else "eager"
     opt = ("AdamW(fused=True)" if args.fused else "AdamW") + (", bf16 without a scaler" if args.bf16 else ", fp16 + GradScaler") \
-        + (", no clip" if args.no_clip else ", clip_grad_norm_")
+        + (", no clip" if args.no_clip else ", clip_grad_norm_") \
+        + (", optimizer state made by the first step" if args.lazy_state else ", optimizer state made first")
     print(f"\n## GPT-2 small structure ({modules} modules, {params} parameters, tiny widths), {args.path} path, "
           f"{mode}, {opt}, torch {torch.__version__}, {args.rounds} rounds x {every} steps (layer_every) x "
           f"{args.copies} copies a variant, 1 thread\n")
@@ -286,6 +339,9 @@ def main() -> None:
         ratio_b = statistics.median(v / b for v, b in zip(between[name], between["base"]))
         print(f"| {name} | {statistics.median(mean[name]) * 1e3:.2f} | {added:+.2f} | {ratio:.3f}x "
               f"| {statistics.median(between[name]) * 1e3:.2f} | {added_b:+.2f} | {ratio_b:.3f}x |")
+    print("\nthe optimizer's own step, timed between its step hooks, median ms: " + ", ".join(
+        f"{name} {statistics.median(t for v in variants[name] for t in v.optimizer_times) * 1e3:.2f}"
+        for name in names))
     if args.compile or args.compile_blocks:  # a watch that fell back pays the hook guards (docs/localization.md)
         fell_back = [name for name, copies in variants.items() for v in copies
                      if v.watch is not None and v.watch.observer is not None and v.watch.observer._split.guarded]
