@@ -183,7 +183,8 @@ class Variant:
         self.step = make_step(self.model, net, x, opt, scaler, self.watch, clip)
         # the optimizer's own step, timed between its step hooks (registered after the watch's:
         # what lies between them is the update's arithmetic, whose speed on this CPU depends on
-        # where its tensors landed; see state_now)
+        # where its tensors landed, see state_now; and without a scaler the watch's step end,
+        # which runs in its post-hook, before this one)
         self.optimizer_times: list[float] = []
         self._optimizer_began = 0.0
         opt.register_step_pre_hook(self._optimizer_begins)
