@@ -119,3 +119,44 @@ def test_all_finite_agrees_with_the_decoded_slots(host, value):
         assert all_finite(raw, slots, host) is truth
         expected = value is None or math.isfinite(float(torch.tensor(value).to(torch.float64 if host else dt)))
         assert truth is expected
+
+
+@pytest.mark.parametrize("copies_bytes", [None, 0])  # |x| of all at once, or one tensor's at a time
+def test_max_abs_each_equals_amax_per_tensor(monkeypatch, copies_bytes):
+    from ampwatch.record import torch_access
+    if copies_bytes is not None:
+        monkeypatch.setattr(torch_access, "_ABS_COPIES_BYTES", copies_bytes)
+    g = torch.Generator().manual_seed(1)
+    tensors = []
+    for i, dtype in enumerate(DTYPES * 3):
+        t = (torch.randn(3 + i, 4, generator=g) * 10 ** (i % 4)).to(dtype)
+        if i == 2:
+            t[1, 1] = float("nan")
+        if i == 4:
+            t[0, 2] = -float("inf")
+        if i == 5:
+            t[0, 0], t[0, 1] = float("inf"), float("nan")
+        tensors.append(t.requires_grad_(True) if i % 2 else t)
+    got = torch_access.max_abs_each(tensors)
+    assert all(v.dim() == 0 and v.grad_fn is None for v in got)
+    for t, v in zip(tensors, got):
+        assert _same(float(v.float()), float(t.detach().float().abs().max())), (t.dtype, v)
+
+
+def test_foreach_details_equal_the_per_tensor_details():
+    """The accelerator path's detail rows (max |g|, -1, -1, zeros, parameter norm) against
+    tensor_details' per-tensor ones, on real gradients of a small model with some zeros in them."""
+    from ampwatch.record import torch_access
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(30, 8), torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    model(torch.tensor([[1, 2, 3]])).pow(2).sum().backward()  # 27 of 30 embedding rows get no gradient
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    fast = torch_access.tensor_details_foreach(grads, params, torch.device("cpu"), torch.float32)
+    slow = torch_access.tensor_details(grads, params, torch.device("cpu"), torch.float32)
+    assert fast.shape == slow.shape == (len(params), 5)
+    assert float(slow[0, 3]) >= 27 * 8  # the zero counts are not trivially zero
+    assert torch.equal(fast[:, 1:3], torch.full((len(params), 2), -1.0))
+    for col in (0, 3, 4):
+        torch.testing.assert_close(fast[:, col], slow[:, col])

@@ -6,7 +6,8 @@ per tensor made the step 1.25x slower. Here a hook only appends the tensor to a 
 every ``CHUNK`` tensors (or ``CHUNK_BYTES`` of them: no more than that is held past its life; each
 ``_foreach_norm`` call costs ~50-100 us of host time, so flushing often costs more than it saves)
 one multi-tensor ``torch._foreach_norm(..., inf)`` reduces them all to max |x| (NaN propagates into
-it, inf stays inf: what the host needs to tell finite, inf and NaN apart and to measure headroom).
+it, inf stays inf: what the host needs to tell finite, inf and NaN apart and to measure headroom;
+on the CPU, where that op is slow, :func:`.torch_access.max_abs_each` gets the same another way).
 The observer also flushes when the root's forward returns and before the optimizer's step, so a
 pending tensor never lives into the pass after the one that made it (an activation autograd frees,
 such as a dropout's input, held into the backward; a backward's gradients held through the
@@ -33,6 +34,8 @@ import math
 from typing import Optional
 
 import torch
+
+from .torch_access import max_abs_each
 
 CHUNK = 64
 CHUNK_BYTES = 1 << 30
@@ -73,7 +76,7 @@ class BatchedReducer:
         returns, and a volatile slot's tensor is changed in place after it is observed. One
         launch where an ``aminmax`` per tensor, folded into its row by ``minimum`` and
         ``maximum``, took three each."""
-        self._values[d].extend(torch._foreach_norm(tensors, math.inf))
+        self._values[d].extend(max_abs_each(tensors))
         self._slots[d].extend(slots)
 
     def keep(self, d: int, amax: torch.Tensor, slot: int) -> None:
@@ -102,7 +105,7 @@ class BatchedReducer:
                     # reduced at once
                     self.changed.add(slot)
                     self.volatile.add(slot)
-            self._values[d].extend(torch._foreach_norm(tensors, math.inf))
+            self._values[d].extend(max_abs_each(tensors))
             self._slots[d].extend(slots)
             tensors.clear()
             slots.clear()

@@ -282,6 +282,37 @@ def _foreach_norm_f32(group: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in group]
 
 
+_ABS_COPIES_BYTES = 64 << 20
+
+
+def max_abs_each(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """max |x| of each tensor (all on one device, none empty), 0-d, in each one's dtype or float32:
+    NaN propagates, inf stays inf. No sync, nothing recorded for autograd.
+
+    On an accelerator one multi-tensor ``_foreach_norm(inf)`` launch. On the CPU that op runs
+    ``vector_norm(inf)`` tensor by tensor, unvectorized: ~3 ns an element, ~10x an ``aminmax``
+    (a list of 146 small gradients: 1.04 ms), where ``_foreach_abs`` then ``_foreach_max`` take a
+    quarter of it (0.27 ms), holding |x| of every tensor for a moment: above ``_ABS_COPIES_BYTES``
+    of them, one tensor's at a time. CPU tensors come here on a GPU's path too (FSDP's CPU offload)."""
+    with torch.no_grad():
+        if tensors[0].device.type == "cpu":
+            foreach_max = getattr(torch, "_foreach_max", None)  # torch >= 2.5
+            if foreach_max is not None and sum(t.numel() * t.element_size() for t in tensors) <= _ABS_COPIES_BYTES:
+                return list(foreach_max(torch._foreach_abs(list(tensors))))
+            return [t.abs().amax() for t in tensors]
+        return list(torch._foreach_norm(list(tensors), math.inf))
+
+
+def nonzero_each(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """How many elements of each tensor (all on one device) are not zero, a float32 vector. No sync.
+    One ``_foreach_norm(0)`` launch on an accelerator; on the CPU a ``count_nonzero`` per tensor,
+    which takes half its time there (146 small gradients: 0.21 against 0.45 ms)."""
+    with torch.no_grad():
+        if tensors[0].device.type == "cpu":
+            return torch.stack([torch.count_nonzero(t) for t in tensors]).float()
+        return torch.stack(torch._foreach_norm(list(tensors), 0, dtype=torch.float32))
+
+
 def tensor_details(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                    out_device: torch.device, dtype: torch.dtype,
                    known_finite: Optional[Sequence[bool]] = None) -> torch.Tensor:
@@ -354,8 +385,8 @@ def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch
         # rare (model parallel; an empty shard, whose inf-norm is undefined): per tensor
         return tensor_details(grads, params, out_device, dtype)
     grads = [g.detach() for g in grads]
-    amax = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
-    nonzero = torch.stack(torch._foreach_norm(grads, 0, dtype=torch.float32))
+    amax = torch.stack(max_abs_each(grads)).float()
+    nonzero = nonzero_each(grads)
     pnorm = torch.stack(torch._foreach_norm([p.detach() for p in params], 2, dtype=torch.float32))
     numel = torch.tensor([g.numel() for g in grads], dtype=torch.float32).to(device, non_blocking=True)
     unknown = torch.full_like(amax, -1.0)
