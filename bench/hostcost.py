@@ -38,6 +38,12 @@ anything else runs (``state_now``; ``--lazy-state`` leaves it to the first step,
 The bench prints the optimizer's own step, timed between its step hooks, for each variant: where
 the variants' figures differ, the table carries that difference.
 
+Each watch's writer thread turns steps into rows every 0.1 s, so a block's last steps used to be
+made into rows during the next variant's block: ``replay=False`` (a module row per module a step)
+landed on ``localize=False``, next in the order (+0.33 ms a step between observed ones, against
++0.18 for the defaults, in a run where the order was the only difference). After each block the
+bench waits until that copy's writer has caught up (``RunWriter.wait_rows``), outside the timing.
+
 A CPU op is not a CUDA launch (each costs a few microseconds of host time either way), so this
 is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
 
@@ -206,6 +212,21 @@ class Variant:
         else:
             self.block(n)
 
+    def catch_up(self) -> float:
+        """Seconds spent waiting, after a block, for this copy's writer thread to turn the block's
+        last steps into rows (``RunWriter.wait_rows``), 0 without a watch. Left to itself the
+        thread does that (it wakes every 0.1 s) during the next variant's block, which would pay
+        for it: ``replay=False``'s ~0.5 ms of rows a step fell on ``localize=False``, next in the
+        order. Not counted in any figure: the wait is mostly the two threads' hand-off (~0.3 ms),
+        and what the thread does in it, a 0.1 s tail of a block's steps, is ~10 us of rows a step
+        between observed ones; the rows of the observed step, the block's first, are made inside
+        the block, as in a run."""
+        if self.watch is None:
+            return 0.0
+        started = time.perf_counter()
+        self.watch.writer.wait_rows()
+        return time.perf_counter() - started
+
     def block(self, n: int) -> tuple[list[float], list[bool]]:
         """n steps: their times, and whether each observed modules (a layer_every step)."""
         times, observed = [], []
@@ -309,12 +330,17 @@ def main() -> None:
             v.optimizer_times.clear()  # the rounds' steps only
     mean: dict[str, list[float]] = {name: [] for name in variants}
     between: dict[str, list[float]] = {name: [] for name in variants}
+    catch_up: dict[str, list[float]] = {name: [] for name in variants}
+    for copies in variants.values():
+        for v in copies:
+            v.catch_up()
     names = list(variants)
     for r in range(args.rounds):
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for c in range(args.copies):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 times, observed = variants[name][c].block(every)
+                catch_up[name].append(variants[name][c].catch_up())
                 runs[name].append((statistics.fmean(times),
                                    statistics.median(t for t, o in zip(times, observed) if not o)
                                    if not all(observed) else statistics.median(times)))
@@ -343,6 +369,8 @@ def main() -> None:
     print("\nthe optimizer's own step, timed between its step hooks, median ms: " + ", ".join(
         f"{name} {statistics.median(t for v in variants[name] for t in v.optimizer_times) * 1e3:.2f}"
         for name in names))
+    print("each block's wait for its writer to catch up after it (not counted), median ms: " + ", ".join(
+        f"{name} {statistics.median(catch_up[name]) * 1e3:.2f}" for name in names if variants[name][0].watch is not None))
     if args.compile or args.compile_blocks:  # a watch that fell back pays the hook guards (docs/localization.md)
         fell_back = [name for name, copies in variants.items() for v in copies
                      if v.watch is not None and v.watch.observer is not None and v.watch.observer._split.guarded]

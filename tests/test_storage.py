@@ -276,3 +276,44 @@ def test_reader_cannot_write(tmp_path):
         with connect(watch.path) as conn:
             conn.execute("DELETE FROM steps")
     assert _digest(watch.path) == before and len(ampwatch.load(watch.path).steps) == 2
+
+
+def test_writer_wait_rows_returns_once_every_step_put_is_rows(tmp_path):
+    """RunWriter.wait_rows (what bench/hostcost.py waits on between variants): every step put
+    before the call has been turned into rows when it returns, though the thread polls every
+    0.1 s and each step here takes it 5 ms; a closed writer answers at once."""
+    import socket
+    import threading
+    from ampwatch.record.packing import PackReader, StepPack
+    from ampwatch.store.writer import RunWriter, create_run_file
+    path = str(tmp_path / "w.sqlite")
+    names = [{"id": i, "kind": "param", "name": f"p{i}", "type": "float32", "numel": 10, "trainable": 1}
+             for i in range(3)]
+    create_run_file(path, {"name": "w", "status": "running", "started_at": time.time(), "pid": os.getpid(),
+                           "hostname": socket.gethostname(), "layer_every": 1, "localize": 0,
+                           "schema_version": SCHEMA_VERSION}, names)
+    reader = PackReader([n["name"] for n in names], ["float32"] * 3, [], [], 1)
+    made, thread = [], []
+
+    def rows(pack):
+        time.sleep(0.005)
+        made.append(pack.step)
+        thread.append(threading.current_thread().name)
+        return reader.rows(pack)
+
+    writer = RunWriter(path, rows, 1e9)
+    try:
+        for i in range(20):
+            writer.put_step(StepPack(step=i, time=time.time(), duration_s=1e-3, lr=1e-3, micro_batches=1,
+                                     skipped=False, flat=torch.rand(5, dtype=torch.float64).view(torch.uint8),
+                                     layout={"loss": (0, 1), "scale": (1, 1), "norms": (2, 3)},
+                                     norm_ids=[0, 1, 2], scalar_bytes=40))
+            if i == 9:
+                assert writer.wait_rows(timeout_s=10) and made == list(range(10))
+        assert writer.wait_rows(timeout_s=10) and made == list(range(20))
+        assert set(thread) == {"ampwatch-writer"}
+    finally:
+        writer.close("finished", None)
+    started = time.monotonic()
+    assert writer.wait_rows(timeout_s=5) is False and time.monotonic() - started < 1
+    assert len(ampwatch.load(path).steps) == 20

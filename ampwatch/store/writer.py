@@ -96,6 +96,18 @@ class RunWriter:
     def put_notice(self, step: Optional[int], code: str, message: str) -> None:
         self._queue.put(("notice", (step, code, message)))
 
+    def wait_rows(self, timeout_s: Optional[float] = None) -> bool:
+        """Block until every step put so far has been turned into rows (committed or not: they
+        are, within ``flush_every_s``). False if ``timeout_s`` passed first. For a caller that
+        must not let this thread's work fall into what it times next (``bench/hostcost.py``)."""
+        done = threading.Event()
+        self._queue.put(("caught up", done))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done.wait(0.05):  # wakes at once when set
+            if not self._thread.is_alive() or (deadline is not None and time.monotonic() >= deadline):
+                return done.is_set()  # a writer that failed or closed: nothing more comes
+        return True
+
     def close(self, status: str, error: Optional[str]) -> None:
         """Drain, mark the run ended, checkpoint. Blocks until the thread is done."""
         self._queue.put(("info", {"status": status, "error": error, "ended_at": time.time()}))
@@ -167,6 +179,8 @@ class RunWriter:
                 kind, payload = item
                 if kind == "info":
                     info.update(payload)
+                elif kind == "caught up":  # wait_rows: every step put before it is rows now
+                    payload.set()
                 else:
                     notices.append(payload)
             if stop or time.monotonic() - last_flush >= self._flush_every_s or pending.count() > 200_000:
