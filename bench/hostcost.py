@@ -54,6 +54,7 @@ is a proxy to compare versions of ampwatch on one machine, not a GPU figure.
     python bench/hostcost.py --fused           # AdamW(fused=True): a skip is read from the inf flag
     python bench/hostcost.py --bf16            # bf16 without a scaler: no skip to replay
     python bench/hostcost.py --no-clip         # a loop that does not clip: the recorder's own norms
+    python bench/hostcost.py --positions       # also each step's cost by its place after the observed one
     python bench/hostcost.py --lazy-state      # AdamW's state made by the first step, where it lands
     python bench/hostcost.py --compile-time inductor   # seconds to compile, with and without ampwatch
     python bench/hostcost.py --compile-time inductor --compile-blocks inductor   # the same, block by block
@@ -283,6 +284,8 @@ def main() -> None:
                     "(torchtitan's way) with this backend; the rest runs eagerly")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) instead of the default AdamW")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler (nothing to replay)")
+    ap.add_argument("--positions", action="store_true",
+                    help="also print each variant's median step by its place in the block, against the base's")
     ap.add_argument("--no-clip", action="store_true", help="a loop without clip_grad_norm_ (the recorder measures "
                     "the gradient norms itself)")
     ap.add_argument("--lazy-state", action="store_true", help="leave each copy's AdamW state to its first "
@@ -331,6 +334,7 @@ def main() -> None:
     mean: dict[str, list[float]] = {name: [] for name in variants}
     between: dict[str, list[float]] = {name: [] for name in variants}
     catch_up: dict[str, list[float]] = {name: [] for name in variants}
+    by_position: dict[str, list[list[float]]] = {name: [[] for _ in range(every)] for name in variants}
     for copies in variants.values():
         for v in copies:
             v.catch_up()
@@ -341,6 +345,8 @@ def main() -> None:
             for name in names[r % len(names):] + names[:r % len(names)]:
                 times, observed = variants[name][c].block(every)
                 catch_up[name].append(variants[name][c].catch_up())
+                for i, t in enumerate(times):
+                    by_position[name][i].append(t)
                 runs[name].append((statistics.fmean(times),
                                    statistics.median(t for t, o in zip(times, observed) if not o)
                                    if not all(observed) else statistics.median(times)))
@@ -371,6 +377,14 @@ def main() -> None:
         for name in names))
     print("each block's wait for its writer to catch up after it (not counted), median ms: " + ", ".join(
         f"{name} {statistics.median(catch_up[name]) * 1e3:.2f}" for name in names if variants[name][0].watch is not None))
+    if args.positions:  # where in a block ampwatch's time lands: the observed step, and after it
+        print("\nmedian step by its place in the block (0: the observed one), ms added to the base's:")
+        print("| variant | " + " | ".join(str(i) for i in range(every)) + " |")
+        print("|---|" + "---|" * every)
+        base = [statistics.median(ts) for ts in by_position["base"]]
+        for name in names[1:]:
+            print(f"| {name} | " + " | ".join(f"{(statistics.median(ts) - b) * 1e3:+.2f}"
+                                            for ts, b in zip(by_position[name], base)) + " |")
     if args.compile or args.compile_blocks:  # a watch that fell back pays the hook guards (docs/localization.md)
         fell_back = [name for name, copies in variants.items() for v in copies
                      if v.watch is not None and v.watch.observer is not None and v.watch.observer._split.guarded]

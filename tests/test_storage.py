@@ -317,3 +317,34 @@ def test_writer_wait_rows_returns_once_every_step_put_is_rows(tmp_path):
     started = time.monotonic()
     assert writer.wait_rows(timeout_s=5) is False and time.monotonic() - started < 1
     assert len(ampwatch.load(path).steps) == 20
+
+
+@pytest.mark.parametrize("per", [1, 3, 256])
+def test_multi_row_inserts_equal_executemany(tmp_path, monkeypatch, per):
+    """The writer's multi-row INSERTs (few GIL hand-offs) against executemany, row for row: chunk
+    edges, a later row replacing an earlier one with the same key (inside a chunk and across two),
+    NULLs, and a table without a key (events)."""
+    import random
+    from ampwatch.store import schema, writer
+    monkeypatch.setattr(writer, "_ROWS_PER_STATEMENT", per)
+    rng = random.Random(per)
+    layers = [(rng.randrange(4), rng.randrange(6), rng.random(), None if rng.random() < 0.2 else rng.random(),
+               rng.random(), rng.randrange(2), rng.random(), rng.randrange(8)) for _ in range(40)]
+    events = [(i, "forward", f"m{i % 3}", "inf", None, 1e5, "float16", 1, 0, None, None, None, None, None)
+              for i in range(7)]
+    got, want = tmp_path / "got.sqlite", tmp_path / "want.sqlite"
+    for path in (got, want):
+        from sqlite_utils import Database
+        schema.create(Database(str(path)))
+    with sqlite3.connect(got) as conn:
+        writer._insert_many(conn, "layers", layers)
+        writer._insert_many(conn, "events", events)
+    with sqlite3.connect(want) as conn:
+        for table, rows in (("layers", layers), ("events", events)):
+            verb, columns = writer._INSERTS[table]
+            conn.executemany(f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({','.join('?' * len(columns))})", rows)
+    read = "SELECT * FROM layers ORDER BY step, param_id", "SELECT * FROM events ORDER BY id"
+    with sqlite3.connect(got) as a, sqlite3.connect(want) as b:
+        for sql in read:
+            assert a.execute(sql).fetchall() == b.execute(sql).fetchall()
+        assert a.execute("SELECT count(*) FROM layers").fetchone()[0] < len(layers)  # some rows replaced others

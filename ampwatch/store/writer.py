@@ -5,12 +5,14 @@ thread per step cost the MLP benchmark ~0.5 ms a step in GIL hand-offs; instead 
 every ``_POLL_S`` and turns everything waiting into rows in one burst. Info and notices go on a
 queue. The thread commits at least every ``flush_every_s`` (and stamps a heartbeat, so readers
 can tell a dead run from a live one), and on close checkpoints the WAL and switches back to a rollback journal so a finished run is one file.
-Bulk rows go through ``executemany`` (about 4x faster than ``insert_all``, which matters for GIL
-time stolen from training: research/overhead-anchors.md); schema and run rows go through sqlite-utils.
+Bulk rows go through a few multi-row ``INSERT`` statements (:func:`_insert_many`: ``executemany``
+steps one statement a row, and takes the GIL back after each; ``insert_all`` is ~4x slower still,
+research/overhead-anchors.md): GIL time stolen from training. Schema and run rows go through sqlite-utils.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import os
@@ -31,18 +33,49 @@ _STOP = object()
 _POLL_S = 0.1  # how often the thread drains the step deque; bounds what a reader sees late
 CHECKPOINT_EVERY_S = 2.0  # how often the WAL is folded into the run file while recording (_checkpoint)
 
+# table -> (statement verb, columns), in the order of the tuples in Rows
 _INSERTS = {
-    "steps": "INSERT OR REPLACE INTO steps (step, time, duration_s, loss, loss_scale, skipped, grad_norm,"
-             " lr, micro_batches, nan_mask) VALUES (?,?,?,?,?,?,?,?,?,?)",
-    "layers": "INSERT OR REPLACE INTO layers (param_id, step, grad_norm, grad_amax, param_norm,"
-              " grad_nonfinite, grad_zero_frac, nan_mask) VALUES (?,?,?,?,?,?,?,?)",
-    "modules": "INSERT OR REPLACE INTO modules (module_id, phase, step, amax, nonfinite) VALUES (?,?,?,?,?)",
-    "events": "INSERT INTO events (step, phase, module, kind, count, amax, dtype, origin, micro_batch,"
-              " fp32_amax, fp32_nan, flows_into, lowp_amax, lowp_nan) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-    "metrics": "INSERT OR REPLACE INTO metrics (key, step, value) VALUES (?,?,?)",
-    "fp8_layers": "INSERT OR REPLACE INTO fp8_layers (step, module, role, dtype, scaling, amax, scale, p99,"
-                  " flush_frac, sat_frac, rel_err, numel, nonfinite) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+    "steps": ("INSERT OR REPLACE", ("step", "time", "duration_s", "loss", "loss_scale", "skipped", "grad_norm",
+                                    "lr", "micro_batches", "nan_mask")),
+    "layers": ("INSERT OR REPLACE", ("param_id", "step", "grad_norm", "grad_amax", "param_norm",
+                                     "grad_nonfinite", "grad_zero_frac", "nan_mask")),
+    "modules": ("INSERT OR REPLACE", ("module_id", "phase", "step", "amax", "nonfinite")),
+    "events": ("INSERT", ("step", "phase", "module", "kind", "count", "amax", "dtype", "origin", "micro_batch",
+                          "fp32_amax", "fp32_nan", "flows_into", "lowp_amax", "lowp_nan")),
+    "metrics": ("INSERT OR REPLACE", ("key", "step", "value")),
+    "fp8_layers": ("INSERT OR REPLACE", ("step", "module", "role", "dtype", "scaling", "amax", "scale", "p99",
+                                         "flush_frac", "sat_frac", "rel_err", "numel", "nonfinite")),
 }
+# bound variables a statement may hold: 32766 since SQLite 3.32, 999 before
+_MAX_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999
+_ROWS_PER_STATEMENT = 256
+
+
+def _insert_many(conn: sqlite3.Connection, table: str, rows: list[tuple]) -> None:
+    """Insert ``rows`` with a few multi-row statements (``VALUES (..), (..), ...``) instead of
+    ``executemany``'s one statement a row. Python's sqlite3 lets go of the GIL around every
+    statement it steps and takes it back after: a row at a time, a commit of an observed step's
+    ~450 rows was ~450 hand-offs of the GIL with the training thread, which waits for each
+    (``bench/hostcost.py``: the commits cost the training thread ~10x their own CPU time). Rows are
+    applied in order, as ``executemany`` applies them (a later row replaces an earlier one)."""
+    verb, columns = _INSERTS[table]
+    per = max(1, min(_ROWS_PER_STATEMENT, _MAX_VARIABLES // len(columns)))
+    for start in range(0, len(rows), per):
+        chunk = rows[start:start + per]
+        conn.execute(_statement(verb, table, columns, len(chunk)), list(itertools.chain.from_iterable(chunk)))
+
+
+_STATEMENTS: dict[tuple[str, int], str] = {}
+
+
+def _statement(verb: str, table: str, columns: tuple, n: int) -> str:
+    sql = _STATEMENTS.get((table, n))
+    if sql is None:
+        one = "(" + ",".join("?" * len(columns)) + ")"
+        sql = f"{verb} INTO {table} ({', '.join(columns)}) VALUES " + ",".join([one] * n)
+        if len(_STATEMENTS) < 512:  # the chunk sizes a run sees: full ones and a few remainders
+            _STATEMENTS[(table, n)] = sql
+    return sql
 
 
 def create_run_file(path: str, info: dict[str, Any], tensors: list[dict[str, Any]]) -> None:
@@ -197,10 +230,10 @@ class RunWriter:
         self._check_file()
         conn.execute("BEGIN")
         try:
-            for table, sql in _INSERTS.items():
+            for table in _INSERTS:
                 batch = getattr(rows, table)
                 if batch:
-                    conn.executemany(sql, batch)
+                    _insert_many(conn, table, batch)
             if notices:
                 conn.executemany("INSERT INTO notices (step, code, message) VALUES (?,?,?)", notices)
             info = dict(info, heartbeat_at=time.time())
