@@ -55,8 +55,9 @@ def _insert_many(conn: sqlite3.Connection, table: str, rows: list[tuple]) -> Non
     """Insert ``rows`` with a few multi-row statements (``VALUES (..), (..), ...``) instead of
     ``executemany``'s one statement a row. Python's sqlite3 lets go of the GIL around every
     statement it steps and takes it back after: a row at a time, a commit of an observed step's
-    ~450 rows was ~450 hand-offs of the GIL with the training thread, which waits for each
-    (``bench/hostcost.py``: the commits cost the training thread ~10x their own CPU time). Rows are
+    ~450 rows was ~450 hand-offs of the GIL with the training thread, which waits for each (on
+    ``bench/hostcost.py``'s model the commits cost the training thread several times their own CPU
+    time: docs/performance.md, "The writer thread's commits"). Rows are
     applied in order, as ``executemany`` applies them (a later row replaces an earlier one)."""
     verb, columns = _INSERTS[table]
     per = max(1, min(_ROWS_PER_STATEMENT, _MAX_VARIABLES // len(columns)))
