@@ -341,8 +341,7 @@ def test_multi_row_inserts_equal_executemany(tmp_path, monkeypatch, per):
         writer._insert_many(conn, "events", events)
     with sqlite3.connect(want) as conn:
         for table, rows in (("layers", layers), ("events", events)):
-            verb, columns = writer._INSERTS[table]
-            conn.executemany(f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({','.join('?' * len(columns))})", rows)
+            conn.executemany(writer._INSERTS[table], rows)
     read = "SELECT * FROM layers ORDER BY step, param_id", "SELECT * FROM events ORDER BY id"
     with sqlite3.connect(got) as a, sqlite3.connect(want) as b:
         for sql in read:

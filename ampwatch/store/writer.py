@@ -34,7 +34,7 @@ _POLL_S = 0.1  # how often the thread drains the step deque; bounds what a reade
 CHECKPOINT_EVERY_S = 2.0  # how often the WAL is folded into the run file while recording (_checkpoint)
 
 # table -> (statement verb, columns), in the order of the tuples in Rows
-_INSERTS = {
+_TABLES = {
     "steps": ("INSERT OR REPLACE", ("step", "time", "duration_s", "loss", "loss_scale", "skipped", "grad_norm",
                                     "lr", "micro_batches", "nan_mask")),
     "layers": ("INSERT OR REPLACE", ("param_id", "step", "grad_norm", "grad_amax", "param_norm",
@@ -59,7 +59,7 @@ def _insert_many(conn: sqlite3.Connection, table: str, rows: list[tuple]) -> Non
     ``bench/hostcost.py``'s model the commits cost the training thread several times their own CPU
     time: docs/performance.md, "The writer thread's commits"). Rows are
     applied in order, as ``executemany`` applies them (a later row replaces an earlier one)."""
-    verb, columns = _INSERTS[table]
+    verb, columns = _TABLES[table]
     per = max(1, min(_ROWS_PER_STATEMENT, _MAX_VARIABLES // len(columns)))
     for start in range(0, len(rows), per):
         chunk = rows[start:start + per]
@@ -77,6 +77,10 @@ def _statement(verb: str, table: str, columns: tuple, n: int) -> str:
         if len(_STATEMENTS) < 512:  # the chunk sizes a run sees: full ones and a few remainders
             _STATEMENTS[(table, n)] = sql
     return sql
+
+
+# one row's statement per table (tests and tools that write rows as the writer does)
+_INSERTS = {table: _statement(verb, table, columns, 1) for table, (verb, columns) in _TABLES.items()}
 
 
 def create_run_file(path: str, info: dict[str, Any], tensors: list[dict[str, Any]]) -> None:
@@ -231,7 +235,7 @@ class RunWriter:
         self._check_file()
         conn.execute("BEGIN")
         try:
-            for table in _INSERTS:
+            for table in _TABLES:
                 batch = getattr(rows, table)
                 if batch:
                     _insert_many(conn, table, batch)
