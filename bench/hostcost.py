@@ -218,7 +218,7 @@ class Variant:
         last steps into rows (``RunWriter.wait_rows``), 0 without a watch. Left to itself the
         thread does that (it wakes every 0.1 s) during the next variant's block, which would pay
         for it: ``replay=False``'s ~0.5 ms of rows a step fell on ``localize=False``, next in the
-        order. Not counted in any figure: the wait is mostly the two threads' hand-off (~0.3 ms),
+        order. Not counted in any figure: the wait (~0.5-0.7 ms a block) is mostly the two threads' hand-off,
         and what the thread does in it, a 0.1 s tail of a block's steps, is ~10 us of rows a step
         between observed ones; the rows of the observed step, the block's first, are made inside
         the block, as in a run."""
