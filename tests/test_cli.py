@@ -185,3 +185,23 @@ def test_summary_and_ls_of_a_folder_name_each_runs_file(tmp_path):
     assert single == runs[0]
     lines = _ampwatch("ls", str(tmp_path)).stdout.splitlines()
     assert lines[1].startswith(f"{name} (full.sqlite) ") and lines[2].startswith("healthy_fp16 ")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["doctor", "--bogus", "x"], "ampwatch doctor: No such option '--bogus'. See 'ampwatch doctor --help'."),
+    (["doctor"], "ampwatch doctor: Missing argument 'PATH'. See 'ampwatch doctor --help'."),
+    (["nosuchcommand"], "ampwatch: No such command 'nosuchcommand'. See 'ampwatch --help'."),
+    (["--bogus"], "ampwatch: No such option '--bogus'. See 'ampwatch --help'."),
+    (["export", str(SAMPLES / "diverged.sqlite"), "--format", "csv", "--to", "tensorboard"],
+     "ampwatch export: --format is for files; --to writes into a tracker: pass one of them"),
+])
+def test_a_mistyped_command_line_is_one_line_and_exit_2(args, says):
+    proc = _ampwatch(*args)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.strip() == says or proc.stderr.strip().startswith(says), proc.stderr
+    assert "\n" not in proc.stderr.strip() and "Usage:" not in proc.stderr
+
+
+def test_ampwatch_alone_prints_its_help():
+    proc = _ampwatch()
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage: ampwatch") and "doctor" in proc.stdout

@@ -46,13 +46,36 @@ def _output_folder(out: str) -> Path:
     return target
 
 
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+
+
+def _usage_line(exc: click.UsageError) -> None:
+    """A mistyped command line (an unknown option or command, a missing argument) as one line on
+    stderr, exit 2: what is wrong and where to look, instead of click's usage block."""
+    if isinstance(exc, _NO_ARGS) and exc.ctx is not None:  # a bare ``ampwatch``: its help, as any tool
+        click.echo(exc.ctx.get_help())
+        sys.exit(0)
+    command = exc.ctx.command_path if exc.ctx is not None else "ampwatch"
+    click.echo(f"{command}: {exc.format_message()} See '{command} --help'.", err=True)
+    sys.exit(exc.exit_code)
+
+
 class _Group(click.Group):
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:  # the group's own options (``ampwatch --bogus``) are parsed here
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            _usage_line(exc)
+            raise  # not reached
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (RunError, OutputError, DashboardError) as exc:  # the one-line contract for bad input
             click.echo(f"ampwatch: {exc}", err=True)
             ctx.exit(2)
+        except click.UsageError as exc:  # a command's options and arguments, or no such command
+            _usage_line(exc)
 
 
 @click.group(cls=_Group)
