@@ -310,7 +310,7 @@ def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, mon
     must keep out of a CUDA graph flags every call of our ops in the graphs AOTAutograd hands it
     (the gradient hooks in the backward; in the forward too where reads are free), and nothing else
     in them. On the accelerator path the forward holds no op at all: its maxima are plain graph
-    ops whose results leave as outputs, so a CUDA graph takes the forward whole; the backward's
+    ops whose results leave joined, one output per dtype, so a CUDA graph takes the forward whole; the backward's
     maxima are reduced in the graph too and only handed out by ``ampwatch::keep_max``."""
     if path == "accelerator":
         monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
@@ -348,10 +348,15 @@ def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, mon
             kept = {n.target for n in calls}
             assert kept == ({torch.ops.ampwatch.keep_max.default} if path == "accelerator"
                             else {torch.ops.ampwatch.observe.default})
-    if path == "accelerator":  # the forward's maxima are graph outputs: one per observed tensor
-        outputs = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0]
-        amax = [o for o in outputs if getattr(o, "target", None) is torch.ops.aten.amax.default]
-        assert len(amax) >= 5  # fc1, act, fc2, head outputs and the model's input at least
+    if path == "accelerator":
+        # the forward's maxima leave the graph joined: one stacked output per dtype (fp32 and fp16
+        # here), made of one amax per observed tensor, instead of one output per tensor
+        fwd = graphs[0].graph
+        outputs = next(n for n in fwd.nodes if n.op == "output").args[0]
+        joined = [o for o in outputs if getattr(o, "target", None) is torch.ops.aten.stack.default]
+        amax = [n for n in fwd.nodes if n.target is torch.ops.aten.amax.default]
+        assert len(joined) == 2 and not any(getattr(o, "target", None) is torch.ops.aten.amax.default for o in outputs)
+        assert {n for o in joined for n in o.args[0]} == set(amax) and len(amax) >= 5
     rows = ampwatch.load(watch.path).modules
     assert {"fc1", "act", "fc2", "head"} <= set(rows[rows.phase == "forward"].module)
 

@@ -53,7 +53,8 @@ class BatchedReducer:
         self.changed: set[int] = set()   # this step's such slots (the observer takes and clears it)
         self._count = 0
         self._bytes = 0
-        self._values: list[list[torch.Tensor]] = [[] for _ in range(dtypes)]  # 0-d maxima
+        # 0-d maxima (and the 1-d maxima a compiled forward joined: join_traced)
+        self._values: list[list[torch.Tensor]] = [[] for _ in range(dtypes)]
         self._slots: list[list[int]] = [[] for _ in range(dtypes)]
         # the same, appended by compiled graphs (observe.ModuleObserver._observe_traced)
         self.traced_values, self.traced_slots = self._values, self._slots
@@ -83,6 +84,20 @@ class BatchedReducer:
         """A 0-d max |x| reduced elsewhere (a compiled graph), folded with the step's other maxima."""
         self._values[d].append(amax)
         self._slots[d].append(slot)
+
+    def join_traced(self) -> None:
+        """Under torch.compile, as the root's observed forward returns inside its graph: each
+        dtype's maxima that the traced hooks appended, joined into one tensor by one ``stack`` in
+        the graph (the compiler writes each reduction straight into its place). The graph then
+        hands out one output per dtype instead of one 0-d tensor per observed tensor, each its own
+        allocation, then stacked again on the host by :meth:`fold_into`. Eager: nothing."""
+        if not torch.compiler.is_compiling():
+            return
+        for values in self._values:
+            if len(values) > 1:
+                joined = torch.stack(values)
+                values.clear()
+                values.append(joined)
 
     def flush(self) -> None:
         """Reduce every pending tensor now (one multi-tensor launch per dtype). Hooks queue tensors as they are, maybe requiring grad:
@@ -126,7 +141,12 @@ class BatchedReducer:
                     self._plans.pop(next(iter(self._plans)))
             index, gather = plan
             view = views[d]
-            amax = torch.stack(values)
+            if len(values) == 1:  # one value, or the maxima a compiled forward joined (join_traced)
+                amax = values[0].reshape(-1)
+            elif all(v.dim() == 0 for v in values):
+                amax = torch.stack(values)
+            else:
+                amax = torch.cat([v.reshape(-1) for v in values])
             if amax.dtype != view.dtype:  # CUDA's _foreach_norm answers half in float: max |x| casts back exactly
                 amax = amax.to(view.dtype)
             if gather is not None:  # a slot observed more than once this step: its running max

@@ -126,12 +126,20 @@ class Flag:
         self.on = on
 
 
-def _forward(flag: Flag, forward: Any, /, *args: Any, **kwargs: Any) -> Any:
+def _forward(flag: Flag, finish: Any, forward: Any, /, *args: Any, **kwargs: Any) -> Any:
     # the template of each model's wrapper. Dynamo guards on the branch: one graph per value of
-    # flag.on, compiled the first time each is seen, and nothing of ampwatch in the graph when off
+    # flag.on, compiled the first time each is seen, and nothing of ampwatch in the graph when off.
+    # ``finish`` runs as the observed forward returns, traced into its graph (the observer joins
+    # the maxima its hooks traced into one output per dtype)
     if flag.on:
-        return forward(*args, **kwargs)
+        output = forward(*args, **kwargs)
+        finish()
+        return output
     return forward(*args, **kwargs)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _cache_entries(code: Any) -> int:
@@ -146,7 +154,7 @@ class GraphSplit:
     """The watched root's ``forward`` wrapped so compiled graphs tell observed steps from the others
     by one flag (module docstring). In eager it costs one Python call per forward of the root."""
 
-    def __init__(self, root: torch.nn.Module, on: bool) -> None:
+    def __init__(self, root: torch.nn.Module, on: bool, finish: Any = _nothing) -> None:
         self.root = root
         self.flag = Flag(on)
         self.guarded = False  # fell back to Dynamo's guards on every hook dict
@@ -164,7 +172,7 @@ class GraphSplit:
         own = types.FunctionType(template.replace(), _forward.__globals__, "forward")  # a code object of its own
         state = root.__dict__
         current = root.forward  # the class's bound forward, or an instance forward set before us
-        self.wrapper = copies.patch(state.get("forward", copies.MISSING), own, self.flag, current)
+        self.wrapper = copies.patch(state.get("forward", copies.MISSING), own, self.flag, finish, current)
         self.wrapper.__wrapped__ = current  # inspect.signature(model.forward) reads the model's own
         state["forward"] = self.wrapper  # straight into __dict__: nn.Module.__setattr__ has no say
 

@@ -20,8 +20,9 @@ it) also get a pre-hook. Under ``torch.compile`` the hooks skip the
 Python bookkeeping and Dynamo traces them into the graph with no graph break. On an accelerator a
 forward hook traces ``x.abs().amax()`` for each tensor (inductor fuses it into the kernel that makes
 ``x``) and appends the 0-d result to the step's maxima, a list mutation Dynamo replays after the
-graph, so the maxima leave the graph as outputs: no op call, no Python per module call (the root's
-forward hook, outside the graph, folds them before another graph runs). Gradients are observed with
+graph; the root's wrapper joins them in the graph as its forward returns, so the maxima leave the
+graph as one output per dtype: no op call, no Python per module call (the root's forward hook,
+outside the graph, folds them before another graph runs). Gradients are observed with
 ``Tensor.register_hook``, which Dynamo also traces, into the backward graph, where a hook cannot hand
 a value out that way: there the hook traces ``g.abs().amax()`` as well and hands the 0-d result to
 the op ``ampwatch::keep_max``, whose body keeps a copy of it. Where reads are free (and for a tensor
@@ -318,7 +319,9 @@ class ModuleObserver:
         self.observing = True
         # the root's forward wrapped so a compiled model's graphs tell observed steps apart by one
         # flag instead of guards on every hook dict (compiled.py)
-        self._split = GraphSplit(modules[0], self.observing)
+        # (on an accelerator its compiled forward joins the maxima its hooks traced: batched.py)
+        self._split = GraphSplit(modules[0], self.observing,
+                                 *([self._batch.join_traced] if self._host is None else []))
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
         self._first_forward_seen = False
