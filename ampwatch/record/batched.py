@@ -88,9 +88,12 @@ class BatchedReducer:
     def join_traced(self) -> None:
         """Under torch.compile, as the root's observed forward returns inside its graph: each
         dtype's maxima that the traced hooks appended, joined into one tensor by one ``stack`` in
-        the graph (the compiler writes each reduction straight into its place). The graph then
-        hands out one output per dtype instead of one 0-d tensor per observed tensor, each its own
-        allocation, then stacked again on the host by :meth:`fold_into`. Eager: nothing."""
+        the graph. The graph then hands out one output per dtype instead of one 0-d tensor per
+        observed tensor, each its own allocation, then stacked again on the host by
+        :meth:`fold_into` (~1 ms of an observed inductor step on bench/hostcost.py's tree). Writing
+        into the joined buffer, inductor fuses fewer maxima into the kernels that make their
+        tensors: 373 kernels against 292 on the reference GPT's observed step (bench/kernels.py).
+        Eager: nothing."""
         if not torch.compiler.is_compiling():
             return
         for values in self._values:
