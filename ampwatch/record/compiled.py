@@ -154,7 +154,7 @@ class GraphSplit:
     """The watched root's ``forward`` wrapped so compiled graphs tell observed steps from the others
     by one flag (module docstring). In eager it costs one Python call per forward of the root."""
 
-    def __init__(self, root: torch.nn.Module, on: bool, finish: Any = _nothing) -> None:
+    def __init__(self, root: torch.nn.Module, on: bool, finish: Any = None) -> None:
         self.root = root
         self.flag = Flag(on)
         self.guarded = False  # fell back to Dynamo's guards on every hook dict
@@ -172,7 +172,7 @@ class GraphSplit:
         own = types.FunctionType(template.replace(), _forward.__globals__, "forward")  # a code object of its own
         state = root.__dict__
         current = root.forward  # the class's bound forward, or an instance forward set before us
-        self.wrapper = copies.patch(state.get("forward", copies.MISSING), own, self.flag, finish, current)
+        self.wrapper = copies.patch(state.get("forward", copies.MISSING), own, self.flag, finish or _nothing, current)
         self.wrapper.__wrapped__ = current  # inspect.signature(model.forward) reads the model's own
         state["forward"] = self.wrapper  # straight into __dict__: nn.Module.__setattr__ has no say
 

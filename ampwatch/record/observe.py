@@ -320,8 +320,7 @@ class ModuleObserver:
         # the root's forward wrapped so a compiled model's graphs tell observed steps apart by one
         # flag instead of guards on every hook dict (compiled.py)
         # (on an accelerator its compiled forward joins the maxima its hooks traced: batched.py)
-        self._split = GraphSplit(modules[0], self.observing,
-                                 *([self._batch.join_traced] if self._host is None else []))
+        self._split = GraphSplit(modules[0], self.observing, self._batch.join_traced if self._host is None else None)
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
         self._first_forward_seen = False
