@@ -1,6 +1,8 @@
 """On a GPU: GPT-2 small step time with and without ampwatch, eager and torch.compile.
 
-GPT-2 small (124M parameters, random weights from ``transformers.GPT2Config()``), batch 8 x 1024
+GPT-2 small (124M parameters, random weights from ``transformers.GPT2Config(use_cache=False)``: a
+training loop has no use for the generation cache, and with it each block compiled on its own
+recompiled per layer past Dynamo's limit, both copies alike), batch 8 x 1024
 tokens, fp16 autocast + ``torch.amp.GradScaler("cuda")``, AdamW, the README loop (unscale_, clip,
 step, update). Two copies of the same model: one watched, one not; timed in blocks interleaved
 A B B A ..., each block ``--steps`` steps between two ``torch.cuda.synchronize()``; reported: the
@@ -109,7 +111,9 @@ class Variant:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         # the peak of the block: both copies' weights and optimizer states are resident in every
-        # block, so the difference between the variants' peaks is what recording adds at its peak
+        # block, so the difference between the variants' peaks is what recording adds at its peak.
+        # Not under CUDA graphs: a graph's replay allocates nothing (its pool was taken when it was
+        # captured), so only what runs outside the graphs counts
         self.peak_gib.append(torch.cuda.max_memory_allocated() / 2 ** 30)
         return elapsed / steps * 1e3
 
@@ -189,7 +193,7 @@ def main() -> None:
     logging.getLogger("ampwatch").setLevel(logging.WARNING)
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config()).cuda()
+    base = GPT2LMHeadModel(GPT2Config(use_cache=False)).cuda()
     n = sum(p.numel() for p in base.parameters())
     x = torch.randint(0, base.config.vocab_size, (args.batch, args.seq), device="cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, GPT-2 small {n / 1e6:.1f}M params, "
