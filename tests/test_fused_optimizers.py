@@ -289,3 +289,21 @@ def test_a_step_that_keeps_large_output_gradients_is_read_within_itself(tmp_path
     assert list(run.steps["skipped"]) == truth
     origin = run.events[run.events.origin]
     assert origin[["step", "module", "phase"]].values.tolist() == [[7, "0", "forward"]]
+
+
+def test_a_step_that_keeps_large_output_gradients_is_held_where_the_device_has_room(tmp_path, monkeypatch):
+    """Past deferred.HOLD_AT_MOST_BYTES (here 0) a step is still held where the device has
+    HOLD_FREE_FACTOR times its kept gradients free. The CPU has no such count (free_bytes is 0
+    there, as the test above needs); here it reports a device with room, and the steps are held and
+    the skip replayed a step late as below the limit."""
+    from ampwatch.record import deferred
+    assert deferred.free_bytes(torch.device("cpu")) == 0
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    monkeypatch.setattr(deferred, "HOLD_AT_MOST_BYTES", 0)
+    monkeypatch.setattr(deferred, "free_bytes", lambda device: 10 ** 12)
+    truth, _, held = _bad_batch_run(tmp_path / "run.sqlite", 5, False)
+    assert held == [1, 2, 3, 6, 7, 8, 11] and truth == [i == 7 for i in range(12)]
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    assert list(run.steps["skipped"]) == truth
+    origin = run.events[run.events.origin]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[7, "0", "forward"]]

@@ -200,3 +200,33 @@ def test_host_waits_ampwatch_adds_to_a_healthy_cuda_step(tmp_path, loop, added):
           f"with {[dict(c) for c in watched]}")
     assert all(dict(w - p) in added for w, p in zip(watched, plain))
     assert all(not (p - w) for w, p in zip(watched, plain))  # no wait of the loop's own went away
+
+
+@pytest.mark.parametrize("factor,held", [(1, True), (10 ** 15, False)], ids=["room", "no-room"])
+def test_a_fused_step_keeping_more_than_the_limit_is_held_only_where_the_device_has_room(
+        tmp_path, monkeypatch, factor, held):
+    """Past deferred.HOLD_AT_MOST_BYTES (here 0: every kept output gradient is past it) a fused step
+    is held a step only where the device has HOLD_FREE_FACTOR times its kept gradients' bytes free
+    (cudaMemGetInfo); else its flag is read within the step. Either way every step gets its row."""
+    from ampwatch.record import deferred
+    monkeypatch.setattr(deferred, "HOLD_AT_MOST_BYTES", 0)
+    monkeypatch.setattr(deferred, "HOLD_FREE_FACTOR", factor)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seen = []
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=20) as watch:
+        for _ in range(4):
+            x = torch.randn(16, 32, device="cuda", generator=g)
+            y = torch.randn(16, 8, device="cuda", generator=g)
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = model(x)
+            scaler.scale(F.mse_loss(out.float(), y)).backward()  # the loss outside: out's gradient is kept
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            seen.append(watch._held is not None)
+    assert deferred.free_bytes(torch.device("cuda")) > 0
+    assert seen[1:] == [held] * 3  # step 0 is a layer_every step, observed live: never held
+    assert list(ampwatch.load(watch.path).steps["step"]) == [0, 1, 2, 3]
