@@ -129,7 +129,12 @@ def keep_max(amax: torch.Tensor, buffer: int, slot: int) -> None:
     observer ``buffer``. A gradient hook in a backward graph cannot hand a value out as a graph
     output the way the forward's hooks do (:meth:`ModuleObserver._observe_traced`); this op call is
     the way out. Its body keeps a copy of the 0-d tensor (the compiler may reuse its memory once the
-    op returns): one small copy where :func:`observe` ran a ``_foreach_norm`` over the gradient."""
+    op returns): one small copy where :func:`observe` ran a ``_foreach_norm`` over the gradient.
+    Writing the max into a buffer inside the graph instead (a forward input mutated in the backward,
+    which AOTAutograd keeps since torch 2.5) works for one graph, but the graph saves the buffer for
+    its backward: where another graph's backward writes it first (each block compiled on its own)
+    or eager code does between forward and backward, autograd's version check fails the user's
+    ``backward()`` (tried on torch 2.13, aot_eager and inductor)."""
     observer = _OBSERVERS.get(buffer)
     if observer is None or not observer.active or not observer.observing:
         return
