@@ -13,6 +13,7 @@ kernel per ~chunk of tensors). Host reads: ``_local_scalar_dense`` (``.item()``,
     python bench/ops.py --mirror               # also mirroring to a TensorBoard log folder (attach mirror=)
     python bench/ops.py --loop fused           # AdamW(fused=True): the skip is in the kernel
     python bench/ops.py --loop bf16            # bf16 autocast, no GradScaler, the loss through watch.log
+    python bench/ops.py --loop bf16-fused      # the same with AdamW(fused=True)
 
 On the CPU path an op costs ~15 us of host time inside a training step (a cold dispatcher, against
 ~6 us in a tight loop), so the count matters there too.
@@ -83,7 +84,8 @@ def workload(name: str):
 
 
 LOOPS = {"fp16": "fp16 autocast + GradScaler, AdamW", "fused": "fp16 autocast + GradScaler, AdamW(fused=True)",
-         "bf16": "bf16 autocast, no GradScaler (loss through watch.log), AdamW"}
+         "bf16": "bf16 autocast, no GradScaler (loss through watch.log), AdamW",
+         "bf16-fused": "the same with AdamW(fused=True): the check is the kernel's skip flag"}
 
 
 def count(name: str, watched: bool, layer_every: int, steps: int = 3, loop: str = "fp16",
@@ -91,8 +93,8 @@ def count(name: str, watched: bool, layer_every: int, steps: int = 3, loop: str 
     """(ops per step, host reads per step, modules, ops by name) over ``steps`` steps after two
     warm-up steps."""
     model, x, loss_fn = workload(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=loop == "fused")
-    scaler = None if loop == "bf16" else torch.amp.GradScaler("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=loop in ("fused", "bf16-fused"))
+    scaler = None if loop.startswith("bf16") else torch.amp.GradScaler("cpu")
     watch = None
     if watched:
         folder = tempfile.mkdtemp()

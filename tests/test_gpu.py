@@ -101,15 +101,18 @@ def test_fused_adamw_overflow_on_cuda_is_replayed_to_its_module(tmp_path):
     assert set(run.modules["step"]) == {0, 2, 3}  # observed: step 0 and the two replays, nothing else
 
 
-def _bf16_cuda_run(path, fault_step, watched):
+def _bf16_cuda_run(path, fault_step, watched, fused=False):
     """bf16 autocast on CUDA, no scaler, the loss through watch.log: module 2's output is inf once."""
-    return bf16_fault_run(_net(), path, fault_step, watched, steps=8, batch=16, device="cuda")
+    return bf16_fault_run(_net(), path, fault_step, watched, steps=8, batch=16, device="cuda", fused=fused)
 
 
-def test_bf16_nan_on_cuda_is_localized_on_its_own_step_and_training_is_unchanged(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adamw"])
+def test_bf16_nan_on_cuda_is_localized_on_its_own_step_and_training_is_unchanged(tmp_path, fused):
+    """With AdamW(fused=True) the check is the kernel's skip flag and the skipped update is applied
+    after the replay (kernelskip.py): weights and moments must still come out bitwise."""
     fault = 3
-    plain_losses, plain_params = _bf16_cuda_run(tmp_path / "plain.sqlite", fault, watched=False)
-    losses, params = _bf16_cuda_run(tmp_path / "run.sqlite", fault, watched=True)
+    plain_losses, plain_params = _bf16_cuda_run(tmp_path / "plain.sqlite", fault, watched=False, fused=fused)
+    losses, params = _bf16_cuda_run(tmp_path / "run.sqlite", fault, watched=True, fused=fused)
     assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     run = ampwatch.load(tmp_path / "run.sqlite")
@@ -148,9 +151,9 @@ def _syncs_per_step(tmp_path, loop, watched, steps=6):
     from collections import Counter
     _count_syncs_from_now_on()
     model = _net()
-    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if loop.startswith("fused")
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if "fused" in loop
            else torch.optim.SGD(model.parameters(), lr=1e-2))
-    scaler = None if loop == "bf16" else torch.amp.GradScaler("cuda")
+    scaler = None if loop.startswith("bf16") else torch.amp.GradScaler("cuda")
     watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{loop}-{watched}.sqlite"),
                             layer_every=20) if watched else None
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -186,13 +189,15 @@ def _syncs_per_step(tmp_path, loop, watched, steps=6):
 
 
 @pytest.mark.parametrize("loop,added", [("fp16", [{}]), ("fused", [{}, {"event": 1}]),
-                                        ("fused-no-unscale", [{}, {"event": 1}]), ("bf16", [{"stream": 1}])])
+                                        ("fused-no-unscale", [{}, {"event": 1}]), ("bf16", [{"stream": 1}]),
+                                        ("bf16-fused", [{}, {"event": 1}])])
 def test_host_waits_ampwatch_adds_to_a_healthy_cuda_step(tmp_path, loop, added):
     """What docs/performance.md promises on CUDA: nothing added to a GradScaler loop (it already
     waits inside scaler.step, for its inf flag). With a fused optimizer no stream wait: the inf flag
     is copied where the scaler makes it (skipflag.py) and read at the next step's optimizer step
     (deferred.py), with a wait on that copy's event only where it is not done yet. Without a scaler
-    one read (the check before the update). The writer thread's waits for its copies are not the
+    one read (the check before the update); with a fused AdamW that read waits on an event, once
+    the optimizer's kernel is queued (kernelskip.py). The writer thread's waits for its copies are not the
     training thread's and are not counted."""
     plain = _syncs_per_step(tmp_path, loop, False)
     watched = _syncs_per_step(tmp_path, loop, True)

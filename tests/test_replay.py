@@ -6,6 +6,8 @@ the same numbers as without ampwatch.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -345,6 +347,78 @@ def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path, rec
     assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
     assert set(run.modules["step"]) == {0, 5, 10, fault}  # observed: layer_every steps and the bad one
     assert "replay-not-reproduced" not in set(run.notices["code"])
+
+
+def test_a_fused_adamw_skips_a_bad_bf16_step_in_its_kernel_and_its_update_is_applied_after_the_replay(
+        tmp_path, monkeypatch):
+    """kernelskip.py: with AdamW(fused=True) the check before the update is handed to the kernel as
+    its skip flag and read once step() has queued it. A bad step keeps the weights it ran with, is
+    replayed on them, and its update is applied again: weights and AdamW moments bitwise as without
+    ampwatch, the origin on its own step, and no flag left on the optimizer."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    fault = 7
+    seen: list = []  # what each call of the optimizer's step carried as its skip flag
+
+    def model_():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def flag(opt, args, kwargs):
+        found = getattr(opt, "found_inf", None)
+        seen.append(None if found is None else float(found))
+
+    def after(weights):  # the loop's own post-hook, registered before ampwatch's: the weights it sees
+        return lambda opt, args, kwargs: weights.append(opt.param_groups[0]["params"][2].detach().clone())
+
+    plain_weights, weights = [], []
+    plain_losses, plain_state = bf16_fault_run(model_(), tmp_path / "plain.sqlite", fault, False, steps=12,
+                                               batch=8, fused=True, post_hook=after(plain_weights))
+    losses, state = bf16_fault_run(model_(), tmp_path / "run.sqlite", fault, True, steps=12, batch=8,
+                                   fused=True, pre_hook=flag, post_hook=after(weights))
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
+    assert len(state) == len(plain_state) > 10  # parameters, exp_avg, exp_avg_sq and step of each
+    assert all(torch.equal(a, b) for a, b in zip(state, plain_state))  # training unchanged, bitwise
+    # layer_every steps (0, 5, 10) are observed live and carry no flag; the bad one runs twice
+    expected = [None, 0.0, 0.0, 0.0, 0.0, None, 0.0, 1.0, None, 0.0, 0.0, None, 0.0]
+    assert seen == expected
+    # the loop's post-hook ran twice on the bad step, each time after the update was applied again
+    assert len(weights) == len(plain_weights) + 1
+    assert weights[fault].isnan().any() and weights[fault + 1].isnan().any()  # never the skipped weights
+    del weights[fault]
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(weights, plain_weights))
+    assert plain_weights[fault].isnan().any()
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    origin = run.events[run.events["origin"]]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
+    assert set(run.modules["step"]) == {0, 5, 10, fault}
+    assert "replay-not-reproduced" not in set(run.notices["code"])
+    steps = run.steps.set_index("step")
+    assert not math.isfinite(steps.loc[fault, "grad_norm"]) and steps.drop(index=fault)["grad_norm"].notna().all()
+
+
+def test_a_bf16_update_the_kernel_skipped_is_applied_even_when_recording_fails_on_that_step(tmp_path, monkeypatch):
+    """Recording may fail while a skipped bf16 step is localized (here: an injected failure in that
+    code): it stops with one warning, and the update the kernel skipped is applied all the same."""
+    from ampwatch.record import watch as watch_module
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+
+    def broken(self):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(watch_module.Watch, "_localize_skipped_update", broken)
+    fault = 7
+
+    def model_():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+    plain_losses, plain_state = bf16_fault_run(model_(), tmp_path / "plain.sqlite", fault, False, steps=10,
+                                               batch=8, fused=True)
+    with pytest.warns(RuntimeWarning, match="stopped recording.*injected"):
+        losses, state = bf16_fault_run(model_(), tmp_path / "run.sqlite", fault, True, steps=10, batch=8, fused=True)
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(a, b) for a, b in zip(state, plain_state))
+    run = ampwatch.load(tmp_path / "run.sqlite")
+    assert "recording-stopped" in set(run.notices["code"]) and run.steps["step"].max() < fault + 1
 
 
 def test_the_root_hooks_list_of_tensors_is_the_nested_walk_in_the_same_order():

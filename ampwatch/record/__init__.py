@@ -7,6 +7,8 @@ grads.py (gradient norms and detail) · observe.py and slots.py (module observat
 one stats buffer, maxima traced into compiled graphs, the ``ampwatch::observe`` and
 ``ampwatch::keep_max`` ops) · backward.py
 (when a backward pass ends) · replay.py (localizing a skipped step by replaying it) ·
+skipflag.py and deferred.py (a fused step's skip, read late) · kernelskip.py (a bf16 step's check
+as a fused optimizer's skip flag) ·
 recompute.py (the fp32 counterfactual) · step.py (one flat tensor and one transfer per step) ·
 packing.py, origins.py and healthy.py (the writer thread's side: rows, origin analysis, a
 healthy step's module rows) · torch_access.py

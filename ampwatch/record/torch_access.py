@@ -141,6 +141,15 @@ def optimizer_stage_unscaled(scaler: Any, optimizer: Any) -> bool:
     return getattr(stage, "name", str(stage)) in ("UNSCALED", "STEPPED")
 
 
+def run_hook_first(optimizer: Any, handle: Any) -> None:
+    """Move the optimizer step post-hook behind ``handle`` ahead of the optimizer's others (its
+    private ordered dict of hooks; where it has none, the hook stays last)."""
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    key = getattr(handle, "id", None)
+    if hasattr(hooks, "move_to_end") and key in hooks:
+        hooks.move_to_end(key, last=False)
+
+
 def steps_inside_kernel(optimizer: Any) -> bool:
     """Fused optimizers take the scale themselves: GradScaler always calls their step()."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

@@ -31,7 +31,7 @@ from .runinfo import describe_run, module_aliases, parameter_table, resolve_path
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
-from . import copies, deferred, fp8, replay
+from . import copies, deferred, fp8, kernelskip, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .skipflag import EarlyFlag
@@ -109,6 +109,8 @@ class Watch:
         self._held: Optional[deferred.HeldStep] = None  # a fused step not settled yet (deferred.py)
         self._hold_step = False  # the step now ending is to be held
         self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
+        self._kernel_skip: Optional[kernelskip.KernelSkip] = None  # that check, handed to a fused optimizer
+        self._reapplying = False  # a bad step's update applied again (kernelskip.py): our hooks stand aside
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
         self.step = 0
@@ -186,6 +188,11 @@ class Watch:
         opt, model = self.optimizer, uncompiled(self.model)
         self._copy_safe = copies.leave_out_of_copies(model.modules())
         self._handles.append(opt.register_step_pre_hook(self.guarded(self._before_optimizer_step)))
+        # not guarded, and before the step's end: an update the kernel skipped is applied again even
+        # if recording stopped meanwhile; and first, before the loop's own post-hooks see the weights
+        settle = opt.register_step_post_hook(self._settle_kernel_skip)
+        torch_access.run_hook_first(opt, settle)
+        self._handles.append(settle)
         self._handles.append(opt.register_step_post_hook(self.guarded(self._after_optimizer_step)))
         # autocast may be entered inside the model's forward (Accelerate wraps model.forward), so
         # the children look too. They are a no-op after the first step: removed then, unless Dynamo
@@ -518,6 +525,11 @@ class Watch:
 
     # -- optimizer hooks --------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._reapplying:
+            return
+        if self._kernel_skip is not None:  # an earlier step() raised before its post-hooks ran
+            self._kernel_skip.withdraw()
+            self._kernel_skip = None
         if self._held is not None:  # before this step changes a weight: a skipped one is replayed
             deferred.settle(self)
         self.state.stepped = True
@@ -529,7 +541,10 @@ class Watch:
         self.grads.measure(self._detail_step())
         if (self.replayer is not None and not self.observer.observing
                 and not (self.scaler is not None and torch_access.scaler_enabled(self.scaler))):
-            self._replay_if_bad()
+            # torch hands the hooks step()'s arguments with the optimizer first; Accelerate passes
+            # closure=None
+            self._replay_if_bad(optimizer, all(v is None for v in kwargs.values())
+                                and all(a is optimizer or a is None for a in args))
         self._fp32_check(False)
         if self.replayer is not None and (not self._fused or self.observer.observing):
             # this step's update is about to happen, so it will not be replayed: its kept inputs
@@ -538,10 +553,13 @@ class Watch:
             # its kernel: its step keeps them, unless it is observed live (then never replayed)
             self.replayer.release()
 
-    def _replay_if_bad(self) -> None:
+    def _replay_if_bad(self, optimizer: Any, plain_call: bool = True) -> None:
         """Without a GradScaler nothing skips a bad step: its update is about to happen. Before it
         does (the weights are still the ones the step ran with), a non-finite gradient norm or
-        logged loss has the step replayed, observed, as a skipped one would be."""
+        logged loss has the step replayed, observed, as a skipped one would be. A fused Adam/AdamW
+        is handed the check as its skip flag instead, read once its kernel is queued
+        (kernelskip.py, :meth:`_settle_kernel_skip`), when ``step()`` was called without arguments
+        (a closure would run again with the update)."""
         scalars, flat = None, None
         if isinstance(self.grads.norms, torch.Tensor) and not self._reads_free:
             # the step's pack, made now (nothing it holds changes before the step ends): its loss
@@ -555,10 +573,15 @@ class Watch:
             if not values:
                 return
             flat = values[0]
-        # sync point, once per step and only without a scaler: the host must know before the update.
         # One op: max |x| is NaN or inf exactly when some value is (a sum or an L2 norm could
         # overflow on finite values), where isfinite().all() took two
-        if not math.isfinite(torch.linalg.vector_norm(flat, math.inf).item()):
+        check = torch.linalg.vector_norm(flat, math.inf)
+        if plain_call and kernelskip.applies(self, optimizer):
+            self._early_scalars = scalars
+            self._kernel_skip = kernelskip.KernelSkip(optimizer, check)
+            return
+        # sync point, once per step and only without a scaler: the host must know before the update
+        if not math.isfinite(check.item()):
             self.grads.measure_detail(None)  # packed again at the step's end, with the detail
             self._replay()
         else:
@@ -568,7 +591,34 @@ class Watch:
         scalars, self._early_scalars = self._early_scalars, None
         return scalars
 
+    def _settle_kernel_skip(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """A step handed its check to the optimizer (kernelskip.py): read it now that the kernel is
+        queued. A bad step left its weights as they were: replayed (as recording allows), then its
+        update applied again, without the flag, whatever happened to recording meanwhile."""
+        pending, self._kernel_skip = self._kernel_skip, None
+        if pending is None or self._reapplying:
+            return
+        pending.withdraw()
+        if not pending.read():  # sync point: the check, with the optimizer's kernel queued behind it
+            return
+        try:
+            self.call_guarded(self._localize_skipped_update)
+        finally:
+            self._reapplying = True
+            try:
+                optimizer.step()  # the update training would have made (a call without arguments)
+            finally:
+                self._reapplying = False
+
+    def _localize_skipped_update(self) -> None:
+        self._early_scalars = None  # packed again at the step's end, with the detail
+        self.grads.measure_detail(None)
+        self._replay()
+        self._fp32_check(False)
+
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._reapplying:
+            return
         if self.scaler is None:
             self.end_step(self._take_early_scalars())
 
@@ -652,6 +702,9 @@ class Watch:
             return
         if getattr(self, "_held", None) is not None:  # the last step: settled (replayed) now, also on a
             self.call_guarded(deferred.settle, self)   # crash: a loop may raise on the NaN it just saw
+        if getattr(self, "_kernel_skip", None) is not None:  # its step() raised: no flag left behind
+            self._kernel_skip.withdraw()
+            self._kernel_skip = None
         self.closed = True
         _open_watches.discard(self)
         for handle in self._handles:

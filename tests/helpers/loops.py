@@ -96,15 +96,23 @@ def train(steps: int, *, scaler_factory: Optional[Callable] = None, attach: Opti
 
 
 def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, steps: int, batch: int,
-                   device: str = "cpu") -> tuple[list, list]:
-    """bf16 autocast, no scaler, SGD, the loss through ``watch.log``: module "2"'s output is inf
-    at ``fault_step`` (the weights that step wrote are repaired after it, so training goes on).
-    Returns each step's loss and the final parameters."""
+                   device: str = "cpu", fused: bool = False, pre_hook: Optional[Callable] = None,
+                   post_hook: Optional[Callable] = None) -> tuple[list, list]:
+    """bf16 autocast, no scaler, SGD (``fused``: AdamW(fused=True)), the loss through ``watch.log``:
+    module "2"'s output is inf at ``fault_step`` (the weights and optimizer state that step wrote
+    are repaired after it, so training goes on). Returns each step's loss, and the final parameters
+    followed by the optimizer's state tensors. ``pre_hook``, ``post_hook``: optimizer step hooks of
+    the loop's own, the first registered after ampwatch attaches, the second before."""
     import ampwatch
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=1e-2))
     state = {"step": 0}
     model[2].register_forward_hook(lambda m, i, o: o * float("inf") if state["step"] == fault_step else o)
+    if post_hook is not None:
+        opt.register_step_post_hook(post_hook)
     watch = ampwatch.attach(model, opt, None, path=str(path), layer_every=5) if watched else None
+    if pre_hook is not None:
+        opt.register_step_pre_hook(pre_hook)
     g = torch.Generator(device=device).manual_seed(1)
     n_in, n_out = model[0].in_features, model[-1].out_features
     losses = []
@@ -123,6 +131,12 @@ def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, st
             with torch.no_grad():
                 for prm in model.parameters():
                     prm.nan_to_num_(0.0)
+                for moments in opt.state.values():
+                    for value in moments.values():
+                        if isinstance(value, torch.Tensor) and value.is_floating_point():
+                            value.nan_to_num_(0.0)
     if watch is not None:
         watch.close()
-    return losses, [prm.detach().clone() for prm in model.parameters()]
+    state = [v.detach().clone() for moments in opt.state.values() for v in moments.values()
+             if isinstance(v, torch.Tensor)]
+    return losses, [prm.detach().clone() for prm in model.parameters()] + state
