@@ -202,6 +202,44 @@ def test_injected_fault_is_localized_to_its_module(tmp_path):
     assert list(origin["module"]) == ["transformer.h.1.mlp.c_fc"]
 
 
+def test_a_bf16_fault_under_the_trainer_with_fused_adamw_is_localized_and_training_is_unchanged(
+        tmp_path, monkeypatch):
+    """bf16 and optim="adamw_torch_fused" on the accelerator path: the Trainer calls the fused
+    AdamW through Accelerate (closure=None), so ampwatch hands it the check as its skip flag
+    (kernelskip.py). A fault from step 3 on is localized on step 3, and the weights end as the same
+    Trainer's without ampwatch."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    flags: list = []
+
+    class Flags(transformers.TrainerCallback):  # after ampwatch's callback: its hooks come first
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            inner = getattr(optimizer, "optimizer", optimizer)
+            inner.register_step_pre_hook(lambda opt, a, k: flags.append(getattr(opt, "found_inf", None) is not None))
+
+    def train(callbacks):
+        torch.manual_seed(0)
+        model = tiny_gpt2()
+        calls = {"n": 0}
+
+        def overflow_from_step_3(module, inputs, output):
+            calls["n"] += 1  # 2 micro-batches per step: step 3's forwards are calls 7 and 8 (a replay's, later)
+            return output * float("inf") if calls["n"] >= 7 else None
+
+        model.transformer.h[1].mlp.c_fc.register_forward_hook(overflow_from_step_3)
+        trainer = make_trainer(tmp_path, callbacks, model=model, bf16=True, optim="adamw_torch_fused")
+        trainer.train()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train([])
+    watched = train([AmpwatchCallback(str(tmp_path / "run.sqlite"), layer_every=5), Flags()])
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(watched, plain))
+    assert any(p.isnan().any() for p in plain)  # the fault reached the weights, with and without ampwatch
+    assert flags[:3] == [False, True, True] and True in flags[3:]  # step 0 is observed live
+    events = ampwatch.load(tmp_path / "run.sqlite").events
+    origin = events[(events["origin"] == 1) & (events["phase"] == "forward")]
+    assert origin[["step", "module"]].values.tolist()[:1] == [[3, "transformer.h.1.mlp.c_fc"]]
+
+
 class Boom(RuntimeError):
     pass
 
