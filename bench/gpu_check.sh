@@ -4,6 +4,8 @@
 # a step that would outrun it is cut short. With inductor's caches empty the compiled modes spend
 # most of theirs compiling. A lease is ~15 minutes of device time, its start included.
 # Logs go to $OUT (the device tool's folder that comes back) or gpu-logs/.
+# With arguments, only the parts they name run (bash bench/gpu_check.sh gpu_tests bf16), so a lease
+# can be split into two shorter calls; eager_fused and compile_fused are the fused halves alone.
 #
 # The device's Python has torch, transformers and pandas but not sqlite-utils: download it and its
 # two small dependencies here first (CONTRIBUTING.md, "On a GPU"), into .whl/, and carry .whl.
@@ -21,9 +23,13 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
 
 start=$SECONDS
 budget=${GPU_CHECK_SECONDS:-585}  # the whole script, so that a step that would outrun it is cut short
+parts=" $* "
 step() {  # step SECONDS NAME COMMAND...: one part, its output kept whether or not it finishes
     local seconds=$1 name=$2 left=$((budget - (SECONDS - start)))
     shift 2
+    if [ "$parts" = "  " ]; then
+        case $name in *_fused) return ;; esac  # halves of eager and compile, which run both
+    elif [[ "$parts" != *" $name "* ]]; then return; fi
     if [ "$seconds" -gt "$left" ]; then seconds=$left; fi
     if [ "$seconds" -lt 20 ]; then echo "== $name: skipped, ${left} s left"; return; fi
     echo "== $name (at most ${seconds} s, from $(date +%T))"
@@ -31,11 +37,13 @@ step() {  # step SECONDS NAME COMMAND...: one part, its output kept whether or n
 }
 step 60 gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py -rfEs -s -p no:cacheprovider
 step 80 eager python3 bench/gpu_gpt2.py --modes eager --replay on --fused off,on --rounds 8
-# fused with the loss inside the model: the case whose skip is read a step late (outside, the
-# logits' 823 MB gradient is more than deferred.HOLD_AT_MOST_BYTES and the step waits as before)
+step 50 eager_fused python3 bench/gpu_gpt2.py --modes eager --replay on --fused on --rounds 8
+# fused with the loss inside the model: its skip is read a step late. Outside, the logits' 823 MB
+# gradient is more than deferred.HOLD_AT_MOST_BYTES: held only where the device has 4x that free.
 step 45 eager_loss_inside python3 bench/gpu_gpt2.py --modes eager --replay on --fused on --loss inside --rounds 8
 # a fresh machine compiles for ~80 s before the first round (the second configuration reuses the cache)
 step 200 compile python3 bench/gpu_gpt2.py --modes compile --replay on --fused off,on --loss outside --rounds 6
+step 150 compile_fused python3 bench/gpu_gpt2.py --modes compile --replay on --fused on --loss outside --rounds 6
 step 60 bf16 python3 bench/gpu_gpt2.py --modes eager --bf16 --replay on --fused on --rounds 6
 # perf_hints: why inductor kept a graph, or part of one, out of CUDA graphs
 TORCH_LOGS=perf_hints step 120 cudagraphs python3 bench/gpu_gpt2.py --modes reduce-overhead --replay on --fused off --rounds 6
