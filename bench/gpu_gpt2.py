@@ -112,8 +112,9 @@ class Variant:
         elapsed = time.perf_counter() - t0
         # the peak of the block: both copies' weights and optimizer states are resident in every
         # block, so the difference between the variants' peaks is what recording adds at its peak.
-        # Not under CUDA graphs: a graph's replay allocates nothing (its pool was taken when it was
-        # captured), so only what runs outside the graphs counts
+        # Under CUDA graphs a graph's recording (its second run) peaks above its replays: the watched
+        # copy records its observed graphs at its first observed step in the timed blocks (the
+        # unwatched copy's all record in the warm-up), so the last block's peak is the steady one
         self.peak_gib.append(torch.cuda.max_memory_allocated() / 2 ** 30)
         return elapsed / steps * 1e3
 
@@ -158,7 +159,8 @@ def measure(base: torch.nn.Module, x: torch.Tensor, compiled: Optional[str], arg
           f"{statistics.median(ratios):.4f}x (min {min(ratios):.4f}, max {max(ratios):.4f}) over "
           f"{args.rounds} rounds of {steps} steps; first step {plain.first_s:.1f} s vs "
           f"{watched.first_s:.1f} s; peak memory in a block {max(plain.peak_gib):.2f} vs "
-          f"{max(watched.peak_gib):.2f} GiB", flush=True)
+          f"{max(watched.peak_gib):.2f} GiB, in the last {plain.peak_gib[-1]:.2f} vs {watched.peak_gib[-1]:.2f} GiB",
+          flush=True)
     if watched.watch is not None:
         watched.watch.close()
         run = ampwatch.load(f"{folder}/run.sqlite")
