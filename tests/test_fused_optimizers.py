@@ -289,6 +289,13 @@ def test_a_step_that_keeps_large_output_gradients_is_read_within_itself(tmp_path
     assert list(run.steps["skipped"]) == truth
     origin = run.events[run.events.origin]
     assert origin[["step", "module", "phase"]].values.tolist() == [[7, "0", "forward"]]
+    # the run says why its fused steps wait, once, with the bytes kept and the memory free (none
+    # on the CPU), and the doctor turns it into advice, not a warning about the loop
+    notices = run.notices[run.notices.code == "skip-read-within-step"]
+    assert len(notices) == 1 and int(notices.step.iloc[0]) == 1, run.notices
+    assert "(0 MiB free)" in notices.message.iloc[0] and "output gradients for a replay" in notices.message.iloc[0]
+    finding = {f.id: f for f in ampwatch.diagnose(run)}["misuse-skip-read-within-step"]
+    assert finding.severity == "info" and "labels=" in finding.advice
 
 
 def test_a_step_that_keeps_large_output_gradients_is_held_where_the_device_has_room(tmp_path, monkeypatch):
@@ -304,6 +311,7 @@ def test_a_step_that_keeps_large_output_gradients_is_held_where_the_device_has_r
     truth, _, held = _bad_batch_run(tmp_path / "run.sqlite", 5, False)
     assert held == [1, 2, 3, 6, 7, 8, 11] and truth == [i == 7 for i in range(12)]
     run = ampwatch.load(tmp_path / "run.sqlite")
+    assert "skip-read-within-step" not in set(run.notices["code"])
     assert list(run.steps["skipped"]) == truth
     origin = run.events[run.events.origin]
     assert origin[["step", "module", "phase"]].values.tolist() == [[7, "0", "forward"]]

@@ -234,4 +234,7 @@ def test_a_fused_step_keeping_more_than_the_limit_is_held_only_where_the_device_
             seen.append(watch._held is not None)
     assert deferred.free_bytes(torch.device("cuda")) > 0
     assert seen[1:] == [held] * 3  # step 0 is a layer_every step, observed live: never held
-    assert list(ampwatch.load(watch.path).steps["step"]) == [0, 1, 2, 3]
+    run = ampwatch.load(watch.path)
+    assert list(run.steps["step"]) == [0, 1, 2, 3]
+    # a run whose steps wait says so once (its numbers: the bytes kept, the device's free memory)
+    assert list(run.notices.code).count("skip-read-within-step") == (0 if held else 1)

@@ -126,6 +126,11 @@ def misuse_notices(facts: Facts) -> list[Finding]:
               # not a misuse: the recorder's own note that one skipped step went unlocalized
               "replay-not-reproduced": "Nothing to change in the loop. Later bad steps are localized live; "
                                        "attach with replay=False to observe every step from the start.",
+              # not a misuse: the recorder's own note of why a fused step waits for the device
+              "skip-read-within-step": "Compute the loss inside the model (a Hugging Face model's labels=, "
+                                       "nanoGPT's targets) so that a step keeps one number for a replay "
+                                       "instead of the logits' gradient, and its skip flag is read a step "
+                                       "late without waiting; or leave more device memory free.",
               # not a misuse either: the recorder failed and stopped (training went on)
               "recording-stopped": "Training went on; this file ends at that step. Unless the message names "
                                    "something your loop passed, it is an ampwatch bug: please report the "
@@ -138,7 +143,7 @@ def misuse_notices(facts: Facts) -> list[Finding]:
         if code == "clip-before-unscale":
             evidence, last = clip_evidence(facts, steps, once=" at step " not in str(g["message"].iloc[0]))
         out.append(facts.finding(
-            f"misuse-{code}", "info" if code == "replay-not-reproduced" else "warning",
+            f"misuse-{code}", "info" if code in ("replay-not-reproduced", "skip-read-within-step") else "warning",
             str(g["message"].iloc[0]), first, last, evidence,
             advice.get(code, "See the message: the recorder saw the training loop use the scaler "
                              "in an unexpected order."), jump=facts.jump(first, last)))

@@ -23,8 +23,9 @@ reaches the file a step later. A step whose kept gradients pass ``HOLD_AT_MOST_B
 vocabulary's logits) is held only where the device has ``HOLD_FREE_FACTOR`` times their bytes free,
 so that the memory it adds at the next step's peak is memory nobody uses; elsewhere it is read
 within itself, paying the wait rather than the memory (GPT-2 small's 823 MB logits gradient, read
-within the step on an H200: 1.049x a fused step, against 1.010x for a step held a step). The step before a ``layer_every`` step is read within its own step, as
-before (the next step's module observation would mix with its replay's).
+within the step on an H200: 1.049x a fused step, against 1.002x held a step); the run gets a
+``skip-read-within-step`` notice saying so, once. The step before a ``layer_every`` step is read
+within its own step, as before (the next step's module observation would mix with its replay's).
 """
 from __future__ import annotations
 
@@ -66,7 +67,24 @@ def may_hold(watch: Any) -> bool:
             and (watch.step + 1) % watch.options["layer_every"] != 0):
         return False
     kept = kept_bytes(watch.replayer.batches)
-    return kept <= HOLD_AT_MOST_BYTES or kept * HOLD_FREE_FACTOR <= free_bytes(watch._device)
+    if kept <= HOLD_AT_MOST_BYTES:
+        return True
+    free = free_bytes(watch._device)
+    if kept * HOLD_FREE_FACTOR <= free:
+        return True
+    if not watch._read_within_noted:  # why this run's fused steps wait, with its numbers: once
+        watch._read_within_noted = True
+        watch.writer.put_notice(
+            watch.step, READ_WITHIN_STEP,
+            f"the fused optimizer's skip flag is read within each step, where the host waits for the "
+            f"device: the step keeps {kept / 2 ** 20:,.0f} MiB of output gradients for a replay, and "
+            f"holding them to the next step needs {HOLD_FREE_FACTOR}x that free on the device "
+            f"({free / 2 ** 20:,.0f} MiB free)")
+    return False
+
+
+# the notice code of a run whose fused steps read their skip flag within the step (doctor: advice)
+READ_WITHIN_STEP = "skip-read-within-step"
 
 
 # device -> (time.monotonic() when asked, bytes free then)

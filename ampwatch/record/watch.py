@@ -108,6 +108,7 @@ class Watch:
         self._skip_flag = EarlyFlag()  # a fused step's inf flag, on its way to the host (skipflag.py)
         self._held: Optional[deferred.HeldStep] = None  # a fused step not settled yet (deferred.py)
         self._hold_step = False  # the step now ending is to be held
+        self._read_within_noted = False  # the run was told once why a fused step waits (deferred.py)
         self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
         self._kernel_skip: Optional[kernelskip.KernelSkip] = None  # that check, handed to a fused optimizer
         self._reapplying = False  # a bad step's update applied again (kernelskip.py): our hooks stand aside
