@@ -347,6 +347,15 @@ def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path, rec
     assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
     assert set(run.modules["step"]) == {0, 5, 10, fault}  # observed: layer_every steps and the bad one
     assert "replay-not-reproduced" not in set(run.notices["code"])
+    # where a read waits for the device the run says once that its steps wait, and why; the doctor
+    # advises a fused AdamW. Where reads are free (the CPU) nothing waits and nothing is said
+    waits = run.notices[run.notices.code == "check-read-before-update"]
+    if record_path == "accelerator":
+        assert waits.step.tolist() == [1] and "SGD cannot skip an update in its kernel" in waits.message.iloc[0]
+        finding = {f.id: f for f in ampwatch.diagnose(run)}["misuse-check-read-before-update"]
+        assert finding.severity == "info" and "fused=True" in finding.advice
+    else:
+        assert waits.empty
 
 
 def test_a_fused_adamw_skips_a_bad_bf16_step_in_its_kernel_and_its_update_is_applied_after_the_replay(
@@ -391,7 +400,7 @@ def test_a_fused_adamw_skips_a_bad_bf16_step_in_its_kernel_and_its_update_is_app
     origin = run.events[run.events["origin"]]
     assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
     assert set(run.modules["step"]) == {0, 5, 10, fault}
-    assert "replay-not-reproduced" not in set(run.notices["code"])
+    assert not {"replay-not-reproduced", "check-read-before-update"} & set(run.notices["code"])
     steps = run.steps.set_index("step")
     assert not math.isfinite(steps.loc[fault, "grad_norm"]) and steps.drop(index=fault)["grad_norm"].notna().all()
 

@@ -114,6 +114,10 @@ def clip_evidence(facts: Facts, noticed: list[int], once: bool = False) -> tuple
             f"{_steps_text(noticed)}"), noticed[-1]
 
 
+# notices that are the recorder's own notes about the run, not a misuse of the loop's: info
+_RECORDER_NOTES = ("replay-not-reproduced", "skip-read-within-step", "check-read-before-update")
+
+
 def misuse_notices(facts: Facts) -> list[Finding]:
     """Warnings for misuse the recorder noticed while recording (notices table)."""
     n = facts.notices
@@ -131,6 +135,10 @@ def misuse_notices(facts: Facts) -> list[Finding]:
                                        "nanoGPT's targets) so that a step keeps one number for a replay "
                                        "instead of the logits' gradient, and its skip flag is read a step "
                                        "late without waiting; or leave more device memory free.",
+              "check-read-before-update": "Use torch.optim.AdamW(fused=True) (or Adam), with step() called "
+                                          "without arguments: its kernel takes the check as its skip flag, "
+                                          "and the host reads it once the update is queued instead of "
+                                          "waiting before it.",
               # not a misuse either: the recorder failed and stopped (training went on)
               "recording-stopped": "Training went on; this file ends at that step. Unless the message names "
                                    "something your loop passed, it is an ampwatch bug: please report the "
@@ -143,7 +151,7 @@ def misuse_notices(facts: Facts) -> list[Finding]:
         if code == "clip-before-unscale":
             evidence, last = clip_evidence(facts, steps, once=" at step " not in str(g["message"].iloc[0]))
         out.append(facts.finding(
-            f"misuse-{code}", "info" if code in ("replay-not-reproduced", "skip-read-within-step") else "warning",
+            f"misuse-{code}", "info" if code in _RECORDER_NOTES else "warning",
             str(g["message"].iloc[0]), first, last, evidence,
             advice.get(code, "See the message: the recorder saw the training loop use the scaler "
                              "in an unexpected order."), jump=facts.jump(first, last)))

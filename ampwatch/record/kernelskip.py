@@ -25,6 +25,9 @@ import torch
 
 from .skipflag import EarlyFlag
 
+# the notice code of a run whose steps read the check before the update (Watch._note_check_wait)
+CHECK_BEFORE_UPDATE = "check-read-before-update"
+
 
 def applies(watch: Any, optimizer: Any) -> bool:
     """A fused Adam/AdamW on a device path (reads not free), with no flag of another's set."""

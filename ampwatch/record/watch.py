@@ -109,6 +109,7 @@ class Watch:
         self._held: Optional[deferred.HeldStep] = None  # a fused step not settled yet (deferred.py)
         self._hold_step = False  # the step now ending is to be held
         self._read_within_noted = False  # the run was told once why a fused step waits (deferred.py)
+        self._check_wait_noted = False  # ... and why a step without a scaler waits (_replay_if_bad)
         self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
         self._kernel_skip: Optional[kernelskip.KernelSkip] = None  # that check, handed to a fused optimizer
         self._reapplying = False  # a bad step's update applied again (kernelskip.py): our hooks stand aside
@@ -581,12 +582,23 @@ class Watch:
             self._early_scalars = scalars
             self._kernel_skip = kernelskip.KernelSkip(optimizer, check)
             return
+        if not (self._check_wait_noted or self._reads_free):  # where a read waits for the device
+            self._note_check_wait(optimizer, plain_call)
         # sync point, once per step and only without a scaler: the host must know before the update
         if not math.isfinite(check.item()):
             self.grads.measure_detail(None)  # packed again at the step's end, with the detail
             self._replay()
         else:
             self._early_scalars = scalars
+
+    def _note_check_wait(self, optimizer: Any, plain_call: bool) -> None:
+        """Tell the run, once, that its steps wait for the device before each update, and why."""
+        self._check_wait_noted = True
+        why = ("step() is called with arguments (a closure would run again with the update)" if not plain_call
+               else f"{type(optimizer).__name__} cannot skip an update in its kernel (a fused Adam or AdamW can)")
+        self.writer.put_notice(self.step, kernelskip.CHECK_BEFORE_UPDATE,
+                               f"without a GradScaler, each step's check of its loss and gradient norms is "
+                               f"read before optimizer.step(), where the host waits for the device: {why}")
 
     def _take_early_scalars(self) -> Optional[StepScalars]:
         scalars, self._early_scalars = self._early_scalars, None
