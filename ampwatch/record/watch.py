@@ -595,7 +595,8 @@ class Watch:
         """Tell the run, once, that its steps wait for the device before each update, and why."""
         self._check_wait_noted = True
         why = ("step() is called with arguments (a closure would run again with the update)" if not plain_call
-               else f"{type(optimizer).__name__} cannot skip an update in its kernel (a fused Adam or AdamW can)")
+               else f"the optimizer ({type(optimizer).__name__}) is not a fused Adam or AdamW, whose kernel "
+                    f"takes the check as its skip flag")
         self.writer.put_notice(self.step, kernelskip.CHECK_BEFORE_UPDATE,
                                f"without a GradScaler, each step's check of its loss and gradient norms is "
                                f"read before optimizer.step(), where the host waits for the device: {why}")
