@@ -19,14 +19,14 @@ import argparse
 import logging
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ampwatch  # noqa: E402
+from hostcost import make_step  # noqa: E402  (the README loop; its CPU-path switch touches only the CPU)
 
 GIB = 2 ** 30
 
@@ -59,6 +59,7 @@ def main() -> None:
         watch = ampwatch.attach(model, opt, scaler, path=f"{tempfile.mkdtemp()}/run.sqlite",
                                 layer_every=args.layer_every)
     net = torch.compile(model, mode=args.mode)
+    step = make_step(model, net, x, opt, scaler, watch)
     cuda = device.type == "cuda"
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else device}, GPT-2 "
           f"{args.layers} layers, batch {args.batch} x {args.seq}, mode {args.mode}, ampwatch {args.watch}, "
@@ -68,17 +69,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.float16):
-            logits = net(x).logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        del logits, loss
+        seconds = step()  # fp16 autocast + GradScaler, unscale_, clip, AdamW
         observed = watch is not None and i % args.layer_every == 0
         if cuda:
             torch.cuda.synchronize()
@@ -88,7 +79,7 @@ def main() -> None:
                 peaks[observed].append(peak)
         else:
             peak = now = reserved = 0.0
-        print(f"step {i:3d}{' observed' if observed else '         '} {time.perf_counter() - t0:7.3f} s  peak "
+        print(f"step {i:3d}{' observed' if observed else '         '} {seconds:7.3f} s  peak "
               f"{peak:6.2f} GiB  allocated after {now:6.2f} GiB  reserved {reserved:6.2f} GiB", flush=True)
     for observed, got in peaks.items():
         if got:

@@ -141,7 +141,7 @@ def make_step(model, net, x, opt, scaler, watch, clip: bool = True):
 
     def step() -> float:
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(x.device.type, dtype=dtype):  # the CPU here; CUDA in gpu_memory.py
             logits = net(x, use_cache=False).logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
         if scaler is None:
