@@ -72,10 +72,9 @@ def may_hold(watch: Any) -> bool:
     free = free_bytes(watch._device)
     if kept * HOLD_FREE_FACTOR <= free:
         return True
-    if not watch._read_within_noted:  # why this run's fused steps wait, with its numbers: once
-        watch._read_within_noted = True
-        watch.writer.put_notice(
-            watch.step, READ_WITHIN_STEP,
+    if READ_WITHIN_STEP not in watch._noted:  # why this run's fused steps wait, with its numbers: once
+        watch._note_once(
+            READ_WITHIN_STEP,
             f"the fused optimizer's skip flag is read within each step, where the host waits for the "
             f"device: the step keeps {kept / 2 ** 20:,.0f} MiB of output gradients for a replay, and "
             f"holding them to the next step needs {HOLD_FREE_FACTOR}x that free on the device "

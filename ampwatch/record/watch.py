@@ -108,8 +108,7 @@ class Watch:
         self._skip_flag = EarlyFlag()  # a fused step's inf flag, on its way to the host (skipflag.py)
         self._held: Optional[deferred.HeldStep] = None  # a fused step not settled yet (deferred.py)
         self._hold_step = False  # the step now ending is to be held
-        self._read_within_noted = False  # the run was told once why a fused step waits (deferred.py)
-        self._check_wait_noted = False  # ... and why a step without a scaler waits (_replay_if_bad)
+        self._noted: set[str] = set()  # notices a run gets once (_note_once): why its steps wait
         self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
         self._kernel_skip: Optional[kernelskip.KernelSkip] = None  # that check, handed to a fused optimizer
         self._reapplying = False  # a bad step's update applied again (kernelskip.py): our hooks stand aside
@@ -582,7 +581,7 @@ class Watch:
             self._early_scalars = scalars
             self._kernel_skip = kernelskip.KernelSkip(optimizer, check)
             return
-        if not (self._check_wait_noted or self._reads_free):  # where a read waits for the device
+        if kernelskip.CHECK_BEFORE_UPDATE not in self._noted and not self._reads_free:  # a read waits
             self._note_check_wait(optimizer, plain_call)
         # sync point, once per step and only without a scaler: the host must know before the update
         if not math.isfinite(check.item()):
@@ -593,13 +592,19 @@ class Watch:
 
     def _note_check_wait(self, optimizer: Any, plain_call: bool) -> None:
         """Tell the run, once, that its steps wait for the device before each update, and why."""
-        self._check_wait_noted = True
         why = ("step() is called with arguments (a closure would run again with the update)" if not plain_call
                else f"the optimizer ({type(optimizer).__name__}) is not a fused Adam or AdamW, whose kernel "
                     f"takes the check as its skip flag")
-        self.writer.put_notice(self.step, kernelskip.CHECK_BEFORE_UPDATE,
-                               f"without a GradScaler, each step's check of its loss and gradient norms is "
-                               f"read before optimizer.step(), where the host waits for the device: {why}")
+        self._note_once(kernelskip.CHECK_BEFORE_UPDATE,
+                       f"without a GradScaler, each step's check of its loss and gradient norms is read "
+                       f"before optimizer.step(), where the host waits for the device: {why}")
+
+    def _note_once(self, code: str, message: str) -> None:
+        """A notice for this step that the run gets once (callers test ``code in self._noted``
+        before composing its message, on paths every step runs)."""
+        if code not in self._noted:
+            self._noted.add(code)
+            self.writer.put_notice(self.step, code, message)
 
     def _take_early_scalars(self) -> Optional[StepScalars]:
         scalars, self._early_scalars = self._early_scalars, None
