@@ -357,3 +357,35 @@ def test_grad_norm_of_non_finite_gradients_is_inf_or_nan_as_the_gradients_say(tm
     grads = run.events[run.events["phase"] == "param_grad"]
     named = {(int(r.step), r.module, r.kind) for r in grads.itertuples()}
     assert named == {(2, "0.weight", "inf"), (4, "0.weight", "inf"), (4, "2.bias", "nan")}
+
+
+def test_zero_fraction_of_each_gradient_matches_the_gradient(tmp_path, record_path):
+    """grad_zero_frac of every layer row is the share of exact zeros in that parameter's gradient as
+    the optimizer stepped with it: an embedding whose unused rows get none, a ReLU that blocks some."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(12, 6), torch.nn.Flatten(), torch.nn.Linear(18, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    names = {id(p): n for n, p in model.named_parameters()}
+    truth: dict[tuple[int, str], float] = {}
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=1) as watch:
+        step = [0]
+        opt.register_step_pre_hook(lambda *_: truth.update(
+            {(step[0], names[id(p)]): float((p.grad == 0).sum()) / p.grad.numel()
+             for p in model.parameters() if p.grad is not None}))
+        for i in range(4):
+            tokens = torch.randint(0, 4, (5, 3))  # rows 4..11 of the embedding get no gradient
+            target = torch.randn(5, 2)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(tokens).float(), target)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            step[0] += 1
+    layers = ampwatch.load(watch.path).layers
+    got = {(int(r.step), r.name): r.grad_zero_frac for r in layers.itertuples()}
+    assert set(got) == set(truth) and len(truth) == 4 * 5
+    assert got == pytest.approx(truth, abs=1e-6)
+    assert all(truth[(s, "0.weight")] >= 8 / 12 for s in range(4))  # the test sees zeros at all
