@@ -312,17 +312,6 @@ def max_abs_each(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(torch._foreach_norm(list(tensors), math.inf))
 
 
-def nonzero_each(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """How many elements of each tensor (all on one device) are not zero (NaN counts), float32, 1-d.
-    No sync. On an accelerator one multi-tensor ``_foreach_norm(0)``; on the CPU that op counts
-    element by element, unvectorized (3.9 M instructions for the 148 gradients of
-    bench/instructions.py's tree, 0.82 ms here), where a ``count_nonzero`` per tensor is
-    vectorized (0.55 ms)."""
-    if tensors[0].device.type == "cpu":
-        return torch.stack([torch.count_nonzero(t) for t in tensors]).float()
-    return torch.stack(torch._foreach_norm(tensors, 0, dtype=torch.float32))
-
-
 def tensor_details(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                    out_device: torch.device, dtype: torch.dtype,
                    known_finite: Optional[Sequence[bool]] = None) -> torch.Tensor:
@@ -396,7 +385,7 @@ def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch
         return tensor_details(grads, params, out_device, dtype)
     grads = [g.detach() for g in grads]
     amax = torch.stack(max_abs_each(grads)).float()
-    nonzero = nonzero_each(grads)
+    nonzero = torch.stack(torch._foreach_norm(grads, 0, dtype=torch.float32))
     pnorm = torch.stack(torch._foreach_norm([p.detach() for p in params], 2, dtype=torch.float32))
     numel = torch.tensor([g.numel() for g in grads], dtype=torch.float32).to(device, non_blocking=True)
     unknown = torch.full_like(amax, -1.0)
