@@ -102,9 +102,9 @@ def child(args: argparse.Namespace) -> None:
     os._exit(0)  # nothing after the counted parts: no close, no exit dump worth reading
 
 
-# ATen's CPU kernel bodies (inner loops, BLAS, vector math, memset/memcpy): the arithmetic, which on a
-# GPU runs on the device; everything else is host work (the interpreter, dispatch, autograd, ampwatch)
-# (and the kernels inductor generates: functions named ``kernel``, code in its compiled .so files)
+# ATen's CPU kernel bodies (inner loops, BLAS, vector math, memset/memcpy) and the kernels inductor
+# generates (functions named ``kernel``, code in its compiled .so files): the arithmetic, which on a
+# GPU runs on the device. The rest is host work (the interpreter, dispatch, autograd, ampwatch).
 _KERNEL = re.compile(r"at::native::.*(kernel|Kernel|loop|Loop|Vectorized|reduce|_impl<)|at::vec::|Sleef_|mkl_|"
                      r"fp16_dot|cpublas|gemm|memset|memcpy|memmove|function_ref<void \(char\*\*|:kernel$|"
                      r":kernel \[|torchinductor")
