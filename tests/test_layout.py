@@ -115,3 +115,24 @@ def test_each_room_says_what_it_holds(folder):
 def test_no_module_lies_flat_beside_the_rooms_but_the_public_api_and_its_errors():
     flat = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert flat == ["__init__.py", "__main__.py", "_version.py", "errors.py", "userpath.py"]
+
+
+def test_no_bench_script_stands_in_for_a_module_a_library_imports(tmp_path):
+    """``python bench/x.py`` puts bench/ first on ``sys.path``, so a script there named like a module
+    that a library imports is imported in its place. transformers looks for Hugging Face's
+    ``kernels`` when it builds a model: bench/kernels.py (now inductor_kernels.py) was executed
+    then, and its first line switched every bench on GPT-2 to the accelerator path, ``--path cpu``
+    included. Built here as the benches build it, in a process of its own: no module from bench/."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+    bench = str(PACKAGE.parent / "bench")
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        "GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))\n"
+        "print([n for n, m in list(sys.modules.items()) if (getattr(m, '__file__', None) or '').startswith(sys.argv[1])])\n")
+    done = subprocess.run([sys.executable, "-c", probe, bench], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -11,7 +11,7 @@ reach the backward graph later, through AOTAutograd), per variant:
 - ``unobserved``: ampwatch attached, a step between ``layer_every`` steps (what most steps run);
 - ``observed``: ampwatch attached, a ``layer_every`` step (the second graph, compiled once).
 
-    python bench/kernels.py            # one torch thread, fp16 autocast, GradScaler, AdamW
+    python bench/inductor_kernels.py            # one torch thread, fp16 autocast, GradScaler, AdamW
 """
 from __future__ import annotations
 
