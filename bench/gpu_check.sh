@@ -43,6 +43,8 @@ step 200 compile python3 bench/gpu_gpt2.py --modes compile --replay on --fused o
 step 150 compile_fused python3 bench/gpu_gpt2.py --modes compile --replay on --fused on --loss outside --rounds 6
 # bf16 with the non-fused AdamW: its check is read before the update (one stream wait), not yet measured
 step 90 bf16 python3 bench/gpu_gpt2.py --modes eager --bf16 --replay on --fused off,on --rounds 6
+# bf16 with the non-fused AdamW under inductor: its weights kept, its check read a step late (keptweights.py)
+step 180 bf16_compile python3 bench/gpu_gpt2.py --modes compile --bf16 --replay on --fused off --rounds 8
 step 80 eager python3 bench/gpu_gpt2.py --modes eager --replay on --fused off,on --rounds 8
 step 50 eager_fused python3 bench/gpu_gpt2.py --modes eager --replay on --fused on --rounds 8
 # fused with the loss inside the model: its skip is read a step late. Outside, the logits' 823 MB

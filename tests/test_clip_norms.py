@@ -266,8 +266,10 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
     steps is the step pack: one ``cat`` of loss, scale and the clip's norms (packed before
     ``scaler.update()``, so the scale needs no copy of its own), with a fused optimizer the
     scaler's inf flag too (read as it is: one device, one flag, nothing summed). Without a scaler
-    (bf16) the same pack is made before ``optimizer.step()`` and one reduction of it tells the host
-    whether the step must be replayed. Ops that launch nothing (views, allocations, ``detach``)
+    (bf16) the same pack is made before ``optimizer.step()``, one reduction of it tells the host
+    whether the step must be replayed, and one copy keeps the weights for that replay: the check is
+    read at the next step's optimizer step (here, on a CPU without events, as a read of the
+    previous step's check; on CUDA a copy to the host and an event). Ops that launch nothing (views, allocations, ``detach``)
     are left out, as ``bench/ops.py`` leaves them out; a host read counts as ``_local_scalar_dense``.
     A learning rate given as a tensor (compiled or capturable optimizer steps) joins the pack: no
     read of it."""
@@ -311,7 +313,7 @@ def test_a_healthy_step_between_layer_every_steps_adds_one_concatenation(tmp_pat
 
     plain, watched = ops_per_step(False), ops_per_step(True)
     added = {"fp16": Counter({"cat": 1}), "fp16-tensor-lr": Counter({"cat": 1}), "fp16-fused": Counter({"cat": 1, "_local_scalar_dense": 1}),
-             "bf16": Counter({"cat": 1, "linalg_vector_norm": 1, "_local_scalar_dense": 1})}[loop]
+             "bf16": Counter({"cat": 1, "linalg_vector_norm": 1, "_foreach_copy_": 1, "_local_scalar_dense": 1})}[loop]
     for step in (2, 3):  # step 0 is a layer_every step; step 1 learned that the loop clips
         assert watched[step] - plain[step] == added
         assert plain[step] - watched[step] == Counter()

@@ -189,15 +189,16 @@ def _syncs_per_step(tmp_path, loop, watched, steps=6):
 
 
 @pytest.mark.parametrize("loop,added", [("fp16", [{}]), ("fused", [{}, {"event": 1}]),
-                                        ("fused-no-unscale", [{}, {"event": 1}]), ("bf16", [{"stream": 1}]),
+                                        ("fused-no-unscale", [{}, {"event": 1}]), ("bf16", [{}, {"event": 1}]),
                                         ("bf16-fused", [{}, {"event": 1}])])
 def test_host_waits_ampwatch_adds_to_a_healthy_cuda_step(tmp_path, loop, added):
     """What docs/performance.md promises on CUDA: nothing added to a GradScaler loop (it already
     waits inside scaler.step, for its inf flag). With a fused optimizer no stream wait: the inf flag
     is copied where the scaler makes it (skipflag.py) and read at the next step's optimizer step
     (deferred.py), with a wait on that copy's event only where it is not done yet. Without a scaler
-    one read (the check before the update); with a fused AdamW that read waits on an event, once
-    the optimizer's kernel is queued (kernelskip.py). The writer thread's waits for its copies are not the
+    no stream wait either: with a fused AdamW the check is the kernel's skip flag, read on an event
+    once the optimizer's kernel is queued (kernelskip.py); with SGD the weights are kept and the
+    check read at the next step's optimizer step, on an event (keptweights.py). The writer thread's waits for its copies are not the
     training thread's and are not counted."""
     plain = _syncs_per_step(tmp_path, loop, False)
     watched = _syncs_per_step(tmp_path, loop, True)

@@ -327,34 +327,107 @@ def test_a_model_that_cannot_be_replayed_is_observed_live_and_recording_goes_on(
     assert origins[["step", "module"]].values.tolist() == [[5, "inner.2"]]  # live from step 3 on
 
 
-def _bf16_run(path, fault_step, watched):
+def _bf16_run(path, fault_step, watched, **options):
     """bf16 autocast, no scaler, the loss through watch.log: one module's output is inf at one step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
-    return bf16_fault_run(model, path, fault_step, watched, steps=12, batch=8)
+    return bf16_fault_run(model, path, fault_step, watched, steps=12, batch=8, **options)
 
 
-def test_without_a_scaler_a_bad_step_is_replayed_before_its_update(tmp_path, record_path):
-    """bf16 has no skip to replay: the gradient norms are checked before optimizer.step(), and a bad
-    step is replayed and localized on its own step, while healthy steps observe nothing."""
+class _Reads(TorchDispatchMode):
+    """Where each host read (``_local_scalar_dense``) happens: ``where`` as the loop set it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list = []
+        self.where = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_local_scalar_dense":
+            self.reads.append(self.where)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fault", [7, 4], ids=["between", "before-layer-every"])
+def test_without_a_scaler_a_bad_step_is_replayed_on_its_own_weights_a_step_late(tmp_path, record_path, fault):
+    """bf16 has no skip to replay, and SGD cannot skip in its kernel: on a device path the weights
+    are copied before each update, the check goes to the host, and the step is settled at the next
+    step's optimizer step (or, before a layer_every step, at that step's end), where a bad step is
+    replayed on its own weights. It must be localized as live observation of every step localizes
+    it (the ground truth: replay=False), on its own step, with training unchanged, and with no
+    notice that steps wait."""
+    plain_losses, plain_params = _bf16_run(tmp_path / "plain.sqlite", fault, watched=False)
+    losses, params = _bf16_run(tmp_path / "run.sqlite", fault, watched=True)
+    _bf16_run(tmp_path / "live.sqlite", fault, watched=True, replay=False)
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))  # training unchanged
+    run, live = ampwatch.load(tmp_path / "run.sqlite"), ampwatch.load(tmp_path / "live.sqlite")
+    origin = run.events[run.events["origin"]]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
+    a, b = _events(run), _events(live)
+    assert len(b) and a.equals(b)  # the same modules, kinds, origins and amax values
+    assert set(run.modules["step"]) == {0, 5, 10, fault}  # observed: layer_every steps and the bad one
+    assert list(run.steps["step"]) == list(range(12))
+    assert not {"replay-not-reproduced", "check-read-before-update"} & set(run.notices["code"])
+
+
+def test_without_a_scaler_each_check_is_read_at_the_next_steps_update(tmp_path, monkeypatch):
+    """On the accelerator path no healthy bf16 step reads anything of its own before its update:
+    step i's check is read in step i + 1's ``optimizer.step()`` (its pre-hook), the step before a
+    layer_every step's at the end of that step (its post-hook, once its pack is made), and the
+    last one's when the run closes. layer_every steps (0, 5, 10) are observed live: no check."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watch = ampwatch.attach(model, opt, None, path=str(tmp_path / "r.sqlite"), layer_every=5)
+    mode = _Reads()
+    held = []
+    for i in range(8):
+        mode.where = ("step", i)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(8, 16)).float().pow(2).mean()
+        loss.backward()
+        watch.log(loss=loss)
+        with mode:
+            opt.step()
+        held.append(None if watch._held is None else watch._held.pack.step)
+        opt.zero_grad()
+    with mode:
+        mode.where = "close"
+        watch.close()
+    # held after each step: 1, 2, 3, then 4 through step 5 (observed), 6, 7
+    assert held == [None, 1, 2, 3, 4, None, 6, 7]
+    assert mode.reads == [("step", 2), ("step", 3), ("step", 4), ("step", 5), ("step", 7), "close"]
+    run = ampwatch.load(watch.path)
+    assert list(run.steps["step"]) == list(range(8)) and run.steps["grad_norm"].notna().all()
+
+
+def test_without_a_scaler_where_the_weights_do_not_fit_the_check_is_read_before_the_update(tmp_path, record_path,
+                                                                                       monkeypatch):
+    """Where keeping a copy of the weights needs more than the device has room for (here: any
+    bytes at all, on a CPU that reports no free memory), each step's check is read before its
+    update as before: a bad step is still localized on its own step, training is unchanged, and
+    on a device path the run says once why its steps wait, with the bytes."""
+    from ampwatch.record import deferred
+    monkeypatch.setattr(deferred, "HOLD_AT_MOST_BYTES", 0)
     fault = 7
     plain_losses, plain_params = _bf16_run(tmp_path / "plain.sqlite", fault, watched=False)
     losses, params = _bf16_run(tmp_path / "run.sqlite", fault, watched=True)
     assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
-    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))  # training unchanged
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     run = ampwatch.load(tmp_path / "run.sqlite")
     origin = run.events[run.events["origin"]]
     assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "2", "forward"]]
-    assert set(run.modules["step"]) == {0, 5, 10, fault}  # observed: layer_every steps and the bad one
-    assert "replay-not-reproduced" not in set(run.notices["code"])
-    # where a read waits for the device the run says once that its steps wait, and why; the doctor
-    # advises a fused AdamW. Where reads are free (the CPU) nothing waits and nothing is said
+    assert set(run.modules["step"]) == {0, 5, 10, fault}
     waits = run.notices[run.notices.code == "check-read-before-update"]
     if record_path == "accelerator":
-        assert waits.step.tolist() == [1] and "(SGD) is not a fused Adam or AdamW" in waits.message.iloc[0]
+        weight_bytes = sum(p.numel() * 4 for p in params)
+        assert waits.step.tolist() == [1]
+        assert f"weights kept ({weight_bytes / 2 ** 20:,.0f} MiB)" in waits.message.iloc[0]
         finding = {f.id: f for f in ampwatch.diagnose(run)}["misuse-check-read-before-update"]
-        assert finding.severity == "info" and "fused=True" in finding.advice
-    else:
+        assert finding.severity == "info" and "fused=True" in finding.advice and "copy of the weights" in finding.advice
+    else:  # where reads are free nothing waits and nothing is said
         assert waits.empty
 
 

@@ -138,7 +138,9 @@ def misuse_notices(facts: Facts) -> list[Finding]:
               "check-read-before-update": "Use torch.optim.AdamW(fused=True) (or Adam), with step() called "
                                           "without arguments: its kernel takes the check as its skip flag, "
                                           "and the host reads it once the update is queued instead of "
-                                          "waiting before it.",
+                                          "waiting before it. With another optimizer, leave the device "
+                                          "room for a copy of the weights (the notice says how much): the "
+                                          "check is then read a step late.",
               # not a misuse either: the recorder failed and stopped (training went on)
               "recording-stopped": "Training went on; this file ends at that step. Unless the message names "
                                    "something your loop passed, it is an ampwatch bug: please report the "

@@ -1,4 +1,4 @@
-"""A fused optimizer's skip, read one step late, so that healthy steps do not wait for the device.
+"""A step's skip or check, read one step late, so that healthy steps do not wait for the device.
 
 A fused optimizer (``AdamW(fused=True)``) skips inside its kernel, and only the scaler's inf flag
 tells the host. Reading it within the step makes the host wait for the device on every step:
@@ -26,9 +26,16 @@ within itself, paying the wait rather than the memory (GPT-2 small's 823 MB logi
 within the step on an H200: 1.049x a fused step, against 1.002x held a step); the run gets a
 ``skip-read-within-step`` notice saying so, once. The step before a ``layer_every`` step is read
 within its own step, as before (the next step's module observation would mix with its replay's).
+
+Without a scaler, a step of an optimizer that cannot skip in its kernel is held the same way, its
+check on its way to the host, with its weights kept on the device (keptweights.py): its update is
+not skipped, so a bad one is replayed on the kept weights. Such a step may be held through a
+``layer_every`` step too, settled once that step's pack is made (its update does not touch the
+kept weights: an observed step keeps none).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -37,6 +44,8 @@ from typing import Any, Optional
 import torch
 
 from . import torch_access
+from .keptweights import KeptWeights
+from .kernelskip import CHECK_BEFORE_UPDATE
 from .packing import StepPack
 from .skipflag import EarlyFlag
 from .step import StepScalars, extend_scalars, transfer_step
@@ -49,6 +58,7 @@ class HeldStep:
     scalars: StepScalars
     flag: EarlyFlag   # its inf flag on its way to the host
     batches: list     # the replayer's kept micro-batches (Replayer.hand_over)
+    weights: Optional[KeptWeights] = None  # its weights, where its update was not skipped
 
 
 # Held output gradients stay alive through the next step's forward, where memory peaks: a step
@@ -58,27 +68,36 @@ HOLD_AT_MOST_BYTES = 256 * 2 ** 20
 HOLD_FREE_FACTOR = 4
 
 
-def may_hold(watch: Any) -> bool:
-    """Whether the step now ending can be settled at the next step's optimizer step: a fused step
-    with skips replayed, on a device path, nothing else held, the next step no ``layer_every`` step,
-    and its kept output gradients within :data:`HOLD_AT_MOST_BYTES` or within the device's free
-    memory divided by :data:`HOLD_FREE_FACTOR`."""
+def may_hold(watch: Any, weights: Optional[KeptWeights] = None) -> bool:
+    """Whether the step now ending can be settled at the next step's optimizer step: a step whose
+    skip or check can be replayed, on a device path, nothing else held, the next step no
+    ``layer_every`` step (unless ``weights`` are kept: see the module docstring), and what it keeps
+    (its output gradients, and ``weights`` where not allocated yet) within
+    :data:`HOLD_AT_MOST_BYTES` or within the device's free memory divided by :data:`HOLD_FREE_FACTOR`."""
     if not (watch._held is None and not watch._reads_free
-            and (watch.step + 1) % watch.options["layer_every"] != 0):
+            and (weights is not None or (watch.step + 1) % watch.options["layer_every"] != 0)):
         return False
-    kept = kept_bytes(watch.replayer.batches)
+    grads = kept_bytes(watch.replayer.batches)
+    kept = grads + (weights.nbytes if weights is not None and not weights.allocated else 0)
     if kept <= HOLD_AT_MOST_BYTES:
         return True
     free = free_bytes(watch._device)
     if kept * HOLD_FREE_FACTOR <= free:
         return True
-    if READ_WITHIN_STEP not in watch._noted:  # why this run's fused steps wait, with its numbers: once
-        watch._note_once(
-            READ_WITHIN_STEP,
-            f"the fused optimizer's skip flag is read within each step, where the host waits for the "
-            f"device: the step keeps {kept / 2 ** 20:,.0f} MiB of output gradients for a replay, and "
-            f"holding them to the next step needs {HOLD_FREE_FACTOR}x that free on the device "
-            f"({free / 2 ** 20:,.0f} MiB free)")
+    code = READ_WITHIN_STEP if weights is None else CHECK_BEFORE_UPDATE
+    if code not in watch._noted:  # why this run's steps wait, with its numbers: once
+        room = (f"holding them to the next step needs {HOLD_FREE_FACTOR}x that free on the device "
+                f"({free / 2 ** 20:,.0f} MiB free)")
+        if weights is None:
+            message = (f"the fused optimizer's skip flag is read within each step, where the host waits for "
+                       f"the device: the step keeps {grads / 2 ** 20:,.0f} MiB of output gradients for a "
+                       f"replay, and {room}")
+        else:
+            message = (f"without a GradScaler, each step's check of its loss and gradient norms is read before "
+                       f"optimizer.step(), where the host waits for the device: reading it a step later needs "
+                       f"the step's weights kept ({weights.nbytes / 2 ** 20:,.0f} MiB) with its output "
+                       f"gradients ({grads / 2 ** 20:,.0f} MiB), and {room}")
+        watch._note_once(code, message)
     return False
 
 
@@ -117,15 +136,17 @@ def kept_bytes(batches: list) -> int:
     return sum(g.numel() * g.element_size() for batch in batches for g in batch.grads.values())
 
 
-def hold(watch: Any, pack: StepPack, scalars: StepScalars) -> None:
-    """Keep the step that ends now (its flag started, its micro-batches kept) until :func:`settle`."""
-    watch._held = HeldStep(pack, scalars, watch._skip_flag, watch.replayer.hand_over())
+def hold(watch: Any, pack: StepPack, scalars: StepScalars, weights: Optional[KeptWeights] = None) -> None:
+    """Keep the step that ends now (its flag started, its micro-batches kept, ``weights`` taken
+    before its update where the update was not skipped) until :func:`settle`."""
+    watch._held = HeldStep(pack, scalars, watch._skip_flag, watch.replayer.hand_over(), weights)
     watch._skip_flag = EarlyFlag()  # the next step's
 
 
 def settle(watch: Any) -> None:
-    """Read the held step's flag and hand its pack to the writer, replayed first if it skipped (if
-    the replay fails, the pack goes as it is, its skip still recorded, and the error is raised)."""
+    """Read the held step's flag and hand its pack to the writer, replayed first if it skipped or
+    its check was bad (if the replay fails, the pack goes as it is, its skip or non-finite values
+    still recorded, and the error is raised)."""
     held, watch._held = watch._held, None
     if not held.flag.read():  # sync point, where the device has usually passed it long ago
         watch.writer.put_step(held.pack)
@@ -143,12 +164,14 @@ def _replayed(watch: Any, held: HeldStep) -> StepPack:
     replayed: list = [None] * len(watch._params)
     current = watch.step
     watch.step = held.pack.step  # what the replay writes (notices) belongs to the held step
+    weights = held.weights.swapped_in() if held.weights is not None else contextlib.nullcontext()
     try:
-        if watch.replayer is not None:
-            watch._replay(held.batches, replayed)
-        watch._fp32_check(False)
+        with weights:  # the weights the held step ran with, where its update was applied since
+            if watch.replayer is not None:
+                watch._replay(held.batches, replayed)
+            watch._fp32_check(False)
+            detail = _detail(watch, held, replayed)
         scalars, detail_ids = held.scalars, held.pack.detail_ids
-        detail = _detail(watch, held, replayed)
         if detail is not None:
             scalars, detail_ids = extend_scalars(scalars, [("detail", detail)]), list(held.pack.norm_ids)
         flat, ready, loc = transfer_step(watch, scalars)  # the replay's module values

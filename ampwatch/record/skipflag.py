@@ -8,11 +8,14 @@ So the flag is copied to the host where it is made: when ``unscale_`` returns, o
 ``unscale_``) when the optimizer's step begins, after the scaler checked the gradients. An event
 marks that copy. A read waits for that event only, and the clip, the optimizer and ``update()``
 keep running on the device meanwhile; read at the next step's optimizer step (deferred.py), the
-copy is usually done and the read does not wait at all.
+copy is usually done and the read does not wait at all. Without a scaler the same way carries a
+step's check (max |x| of its loss and gradient norms: bad where not finite) to the host.
 """
 from __future__ import annotations
 
 from typing import Optional
+
+import math
 
 import torch
 
@@ -20,7 +23,7 @@ import torch
 class EarlyFlag:
     """One step's inf flag on its way to the host: :meth:`start` where it is made, :meth:`read`
     once the host must know."""
-    __slots__ = ("_host", "_ready", "_flag")
+    __slots__ = ("_host", "_ready", "_flag", "_check")
 
     def __init__(self) -> None:
         self.clear()
@@ -29,13 +32,16 @@ class EarlyFlag:
         self._host: Optional[torch.Tensor] = None
         self._ready: Optional[torch.cuda.Event] = None
         self._flag: Optional[torch.Tensor] = None
+        self._check = False
 
     @property
     def started(self) -> bool:
         return self._host is not None or self._flag is not None
 
-    def start(self, flag: torch.Tensor) -> None:
-        """Copy ``flag`` (a 0-d device tensor) to the host behind the work that makes it; no wait."""
+    def start(self, flag: torch.Tensor, check: bool = False) -> None:
+        """Copy ``flag`` (a 0-d device tensor) to the host behind the work that makes it; no wait.
+        ``check``: ``flag`` is a value that is bad where not finite, not a 0/1 flag."""
+        self._check = check
         if flag.device.type == "cuda":
             self._host = flag.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited on
             self._ready = torch.cuda.Event()
@@ -48,10 +54,11 @@ class EarlyFlag:
         if self._ready is not None:
             if not self._ready.query():  # read a step late (deferred.py), the copy is usually done
                 self._ready.synchronize()  # sync point: only as far as the flag, not the optimizer's kernel
-            value = bool(self._host.item())  # a host tensor: no device read
+            value = self._host.item()  # a host tensor: no device read
         elif self._flag is not None:
-            value = bool(self._flag.item())  # sync point on an accelerator without events
+            value = self._flag.item()  # sync point on an accelerator without events
         else:
             return None
+        bad = not math.isfinite(value) if self._check else bool(value)
         self.clear()
-        return value
+        return bad

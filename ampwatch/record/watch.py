@@ -31,7 +31,7 @@ from .runinfo import describe_run, module_aliases, parameter_table, resolve_path
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
-from . import copies, deferred, fp8, kernelskip, replay
+from . import copies, deferred, fp8, kernelskip, keptweights, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .skipflag import EarlyFlag
@@ -108,6 +108,8 @@ class Watch:
         self._skip_flag = EarlyFlag()  # a fused step's inf flag, on its way to the host (skipflag.py)
         self._held: Optional[deferred.HeldStep] = None  # a fused step not settled yet (deferred.py)
         self._hold_step = False  # the step now ending is to be held
+        self._kept_weights: Optional[keptweights.KeptWeights] = None  # without a scaler: a held step's weights
+        self._hold_weights: Optional[keptweights.KeptWeights] = None  # the step now ending keeps them
         self._noted: set[str] = set()  # notices a run gets once (_note_once): why its steps wait
         self._early_scalars: Optional[StepScalars] = None  # without a scaler: packed for the check (_replay_if_bad)
         self._kernel_skip: Optional[kernelskip.KernelSkip] = None  # that check, handed to a fused optimizer
@@ -262,6 +264,8 @@ class Watch:
             self.replayer.remove()
         if self.fp8 is not None:
             self.fp8.disarm()
+        # nothing held is settled any more: a kept copy of the weights goes now, not with the watch
+        self._held = self._kept_weights = self._hold_weights = None
 
     def _detail_step(self) -> bool:
         return self.step % self.options["layer_every"] == 0
@@ -531,7 +535,9 @@ class Watch:
         if self._kernel_skip is not None:  # an earlier step() raised before its post-hooks ran
             self._kernel_skip.withdraw()
             self._kernel_skip = None
-        if self._held is not None:  # before this step changes a weight: a skipped one is replayed
+        if self._held is not None and (self._held.weights is None or not self.observer.observing):
+            # before this step changes a weight: a skipped one is replayed (one whose weights are
+            # kept waits for the end of an observed step, so that its replay mixes with nothing)
             deferred.settle(self)
         self.state.stepped = True
         if self._fused:  # the scaler checked the gradients: the flag is made (no unscale_ before)
@@ -547,7 +553,8 @@ class Watch:
             self._replay_if_bad(optimizer, all(v is None for v in kwargs.values())
                                 and all(a is optimizer or a is None for a in args))
         self._fp32_check(False)
-        if self.replayer is not None and (not self._fused or self.observer.observing):
+        if (self.replayer is not None and (not self._fused or self.observer.observing)
+                and self._hold_weights is None):
             # this step's update is about to happen, so it will not be replayed: its kept inputs
             # and output gradients (a large vocabulary's logits gradient) go now, not at the step's
             # end, and stay out of the optimizer's peak. A fused optimizer may still skip inside
@@ -557,10 +564,13 @@ class Watch:
     def _replay_if_bad(self, optimizer: Any, plain_call: bool = True) -> None:
         """Without a GradScaler nothing skips a bad step: its update is about to happen. Before it
         does (the weights are still the ones the step ran with), a non-finite gradient norm or
-        logged loss has the step replayed, observed, as a skipped one would be. A fused Adam/AdamW
-        is handed the check as its skip flag instead, read once its kernel is queued
-        (kernelskip.py, :meth:`_settle_kernel_skip`), when ``step()`` was called without arguments
-        (a closure would run again with the update)."""
+        logged loss has the step replayed, observed, as a skipped one would be. When ``step()`` is
+        called without arguments (a closure would run again with the update, or run forwards on
+        weights the step changes), the host does not wait for the check here: a fused Adam/AdamW
+        is handed it as its skip flag, read once its kernel is queued (kernelskip.py,
+        :meth:`_settle_kernel_skip`); any other optimizer's weights are kept on the device and the
+        step is held, its check read a step late (keptweights.py, deferred.py), where the device
+        has room for them."""
         scalars, flat = None, None
         if isinstance(self.grads.norms, torch.Tensor) and not self._reads_free:
             # the step's pack, made now (nothing it holds changes before the step ends): its loss
@@ -581,6 +591,16 @@ class Watch:
             self._early_scalars = scalars
             self._kernel_skip = kernelskip.KernelSkip(optimizer, check)
             return
+        if plain_call and not self._reads_free:  # a step's weights kept instead, the check read a step late
+            if self._kept_weights is None:
+                self._kept_weights = keptweights.KeptWeights(optimizer)
+            if deferred.may_hold(self, self._kept_weights):
+                self._early_scalars = scalars
+                self._skip_flag.start(check, check=True)
+                self._kept_weights.take()
+                self._hold_weights = self._kept_weights
+                self._hold_step = True
+                return
         if kernelskip.CHECK_BEFORE_UPDATE not in self._noted and not self._reads_free:  # a read waits
             self._note_check_wait(optimizer, plain_call)
         # sync point, once per step and only without a scaler: the host must know before the update
@@ -657,7 +677,8 @@ class Watch:
             deferred.settle(self)
         if self._hold_step:
             self._hold_step = False
-            deferred.hold(self, pack, scalars)
+            weights, self._hold_weights = self._hold_weights, None
+            deferred.hold(self, pack, scalars, weights)
         else:
             self.writer.put_step(pack)
         if self.writer.failure is not None:
@@ -721,6 +742,7 @@ class Watch:
             return
         if getattr(self, "_held", None) is not None:  # the last step: settled (replayed) now, also on a
             self.call_guarded(deferred.settle, self)   # crash: a loop may raise on the NaN it just saw
+        self._held = self._kept_weights = self._hold_weights = None  # the weights' copy goes
         if getattr(self, "_kernel_skip", None) is not None:  # its step() raised: no flag left behind
             self._kernel_skip.withdraw()
             self._kernel_skip = None

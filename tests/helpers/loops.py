@@ -1,7 +1,7 @@
 """Tiny models and training loops used across tests: real torch, real GradScaler, on the CPU."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -97,27 +97,31 @@ def train(steps: int, *, scaler_factory: Optional[Callable] = None, attach: Opti
 
 def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, steps: int, batch: int,
                    device: str = "cpu", fused: bool = False, pre_hook: Optional[Callable] = None,
-                   post_hook: Optional[Callable] = None) -> tuple[list, list]:
+                   post_hook: Optional[Callable] = None, **options: Any) -> tuple[list, list]:
     """bf16 autocast, no scaler, SGD (``fused``: AdamW(fused=True)), the loss through ``watch.log``:
-    module "2"'s output is inf at ``fault_step`` (the weights and optimizer state that step wrote
-    are repaired after it, so training goes on). Returns each step's loss, and the final parameters
+    module "2"'s weights are 1e38 at ``fault_step``, so its output overflows to ±inf (a fault in the
+    weights and inputs a replay runs on, also a step later; the weights and optimizer state that
+    step wrote are repaired after it, so training goes on). Returns each step's loss, and the final parameters
     followed by the optimizer's state tensors. ``pre_hook``, ``post_hook``: optimizer step hooks of
-    the loop's own, the first registered after ampwatch attaches, the second before."""
+    the loop's own, the first registered after ampwatch attaches, the second before. ``options``:
+    ampwatch.attach's (layer_every=5 unless given)."""
     import ampwatch
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused
            else torch.optim.SGD(model.parameters(), lr=1e-2))
-    state = {"step": 0}
-    model[2].register_forward_hook(lambda m, i, o: o * float("inf") if state["step"] == fault_step else o)
     if post_hook is not None:
         opt.register_step_post_hook(post_hook)
-    watch = ampwatch.attach(model, opt, None, path=str(path), layer_every=5) if watched else None
+    options.setdefault("layer_every", 5)
+    watch = ampwatch.attach(model, opt, None, path=str(path), **options) if watched else None
     if pre_hook is not None:
         opt.register_step_pre_hook(pre_hook)
     g = torch.Generator(device=device).manual_seed(1)
     n_in, n_out = model[0].in_features, model[-1].out_features
     losses = []
     for i in range(steps):
-        state["step"] = i
+        if i == fault_step:
+            saved = model[2].weight.detach().clone()
+            with torch.no_grad():
+                model[2].weight.fill_(1e38)  # finite in bf16; the sum of a row of products is not
         with torch.autocast(device, dtype=torch.bfloat16):
             out = model(torch.randn(batch, n_in, device=device, generator=g))
             loss = F.mse_loss(out.float(), torch.zeros(batch, n_out, device=device))
@@ -129,6 +133,7 @@ def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, st
         losses.append(loss.detach().clone())
         if i == fault_step:
             with torch.no_grad():
+                model[2].weight.copy_(saved)
                 for prm in model.parameters():
                     prm.nan_to_num_(0.0)
                 for moments in opt.state.values():
