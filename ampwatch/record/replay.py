@@ -26,8 +26,10 @@ on the host: a fused optimizer skips inside its kernel, so there the watch reads
 flag once per step (between ``layer_every`` steps a step late, at the next step's optimizer
 step, where the device is usually past it: deferred.py);
 without a scaler (bf16, fp32) nothing skips, so the watch checks the step's gradient norms (and
-the logged loss) before ``optimizer.step()`` changes the weights, one sync per step, and replays a
-bad step then. Not under DDP/FSDP (a replay would start collectives on one rank): there the module
+the logged loss) before ``optimizer.step()`` changes the weights: handed to a fused Adam/AdamW as
+its skip flag (kernelskip.py), or read a step late with the step's weights kept on the device
+(keptweights.py), and only where neither applies read before the update, one sync per step; a bad
+step is replayed on the weights it ran with. Not under DDP/FSDP (a replay would start collectives on one rank): there the module
 hooks observe every step, as before.
 """
 from __future__ import annotations
