@@ -371,6 +371,70 @@ def test_without_a_scaler_a_bad_step_is_replayed_on_its_own_weights_a_step_late(
     assert not {"replay-not-reproduced", "check-read-before-update"} & set(run.notices["code"])
 
 
+def test_without_a_scaler_a_compiled_model_replays_a_bad_step_on_its_kept_weights_like_eager(tmp_path, monkeypatch):
+    """The same under torch.compile: the held step is replayed eagerly, its kept weights swapped into
+    the parameters the graph reads and swapped out again, with no graph break and no recompile
+    (swapping storage changes nothing Dynamo guards on); origins as in eager, training unchanged."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    fault = 7
+    torch._dynamo.reset()
+    plain_losses, plain_params = _bf16_run(tmp_path / "plain.sqlite", fault, watched=False, compiled="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    losses, params = _bf16_run(tmp_path / "run.sqlite", fault, watched=True, compiled="aot_eager")
+    breaks, frames = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    _bf16_run(tmp_path / "eager.sqlite", fault, watched=True)
+    assert breaks == {}
+    assert 1 <= frames <= 2  # the graph of healthy steps and that of observed ones, nothing recompiled since
+    assert all(torch.equal(a, b) or (a.isnan().all() and b.isnan().all()) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    run, eager = ampwatch.load(tmp_path / "run.sqlite"), ampwatch.load(tmp_path / "eager.sqlite")
+    cols = ["step", "phase", "module", "origin"]
+    origins = run.events[run.events.origin][cols].reset_index(drop=True)
+    assert origins.values.tolist() == [[fault, "forward", "2", True]]
+    assert origins.equals(eager.events[eager.events.origin][cols].reset_index(drop=True))
+    assert set(run.modules["step"]) == {0, 5, 10, fault}
+
+
+def test_without_a_scaler_parameters_of_a_group_added_later_are_kept_too(tmp_path, monkeypatch):
+    """A head trained only from step 3 on (``add_param_group``, a fine-tuning loop's unfreezing):
+    its weights must be among those kept, or a fault in them is replayed on the weights the loop
+    repaired after the bad step and not reproduced."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    model[4].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    watch = ampwatch.attach(model, opt, None, path=str(tmp_path / "r.sqlite"), layer_every=5)
+    fault = 7
+    g = torch.Generator().manual_seed(1)
+    for i in range(10):
+        if i == 3:
+            model[4].requires_grad_(True)
+            opt.add_param_group({"params": list(model[4].parameters())})
+        if i == fault:
+            saved = model[4].weight.detach().clone()
+            with torch.no_grad():
+                model[4].weight.fill_(3e38)  # rows of the output past bf16's max
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(8, 16, generator=g)).float().pow(2).mean()
+        loss.backward()
+        watch.log(loss=loss)
+        opt.step()
+        opt.zero_grad()
+        if i == fault:
+            with torch.no_grad():
+                model[4].weight.copy_(saved)
+                for prm in model.parameters():
+                    prm.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+    watch.close()
+    run = ampwatch.load(watch.path)
+    assert "replay-not-reproduced" not in set(run.notices["code"])
+    origin = run.events[run.events["origin"]]
+    assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "4", "forward"]]
+
+
 def test_without_a_scaler_each_check_is_read_at_the_next_steps_update(tmp_path, monkeypatch):
     """On the accelerator path no healthy bf16 step reads anything of its own before its update:
     step i's check is read in step i + 1's ``optimizer.step()`` (its pre-hook), the step before a

@@ -28,14 +28,19 @@ import torch
 
 class KeptWeights:
     """A device copy of the parameters an optimizer updates, taken before each held step's update."""
-    __slots__ = ("params", "nbytes", "copies")
+    __slots__ = ("params", "nbytes", "copies", "groups")
 
     def __init__(self, optimizer: Any) -> None:
         seen: set[int] = set()
         self.params = [p for group in optimizer.param_groups for p in group["params"]
                        if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.groups = len(optimizer.param_groups)  # add_param_group() later: made again (fits())
         self.copies: Optional[list[torch.Tensor]] = None  # allocated at the first take, kept after
+
+    def fits(self, optimizer: Any) -> bool:
+        """Whether these are still the optimizer's parameters (no group added since)."""
+        return len(optimizer.param_groups) == self.groups
 
     @property
     def allocated(self) -> bool:

@@ -592,7 +592,7 @@ class Watch:
             self._kernel_skip = kernelskip.KernelSkip(optimizer, check)
             return
         if plain_call and not self._reads_free:  # a step's weights kept instead, the check read a step late
-            if self._kept_weights is None:
+            if self._kept_weights is None or not self._kept_weights.fits(optimizer):
                 self._kept_weights = keptweights.KeptWeights(optimizer)
             if deferred.may_hold(self, self._kept_weights):
                 self._early_scalars = scalars

@@ -97,13 +97,15 @@ def train(steps: int, *, scaler_factory: Optional[Callable] = None, attach: Opti
 
 def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, steps: int, batch: int,
                    device: str = "cpu", fused: bool = False, pre_hook: Optional[Callable] = None,
-                   post_hook: Optional[Callable] = None, **options: Any) -> tuple[list, list]:
+                   post_hook: Optional[Callable] = None, compiled: Optional[str] = None,
+                   **options: Any) -> tuple[list, list]:
     """bf16 autocast, no scaler, SGD (``fused``: AdamW(fused=True)), the loss through ``watch.log``:
     module "2"'s weights are 1e38 at ``fault_step``, so its output overflows to ±inf (a fault in the
     weights and inputs a replay runs on, also a step later; the weights and optimizer state that
     step wrote are repaired after it, so training goes on). Returns each step's loss, and the final parameters
     followed by the optimizer's state tensors. ``pre_hook``, ``post_hook``: optimizer step hooks of
-    the loop's own, the first registered after ampwatch attaches, the second before. ``options``:
+    the loop's own, the first registered after ampwatch attaches, the second before. ``compiled``:
+    a torch.compile backend the model runs under (attached before compiling). ``options``:
     ampwatch.attach's (layer_every=5 unless given)."""
     import ampwatch
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused
@@ -114,6 +116,7 @@ def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, st
     watch = ampwatch.attach(model, opt, None, path=str(path), **options) if watched else None
     if pre_hook is not None:
         opt.register_step_pre_hook(pre_hook)
+    net = torch.compile(model, backend=compiled) if compiled else model
     g = torch.Generator(device=device).manual_seed(1)
     n_in, n_out = model[0].in_features, model[-1].out_features
     losses = []
@@ -123,7 +126,7 @@ def bf16_fault_run(model: nn.Module, path, fault_step: int, watched: bool, *, st
             with torch.no_grad():
                 model[2].weight.fill_(1e38)  # finite in bf16; the sum of a row of products is not
         with torch.autocast(device, dtype=torch.bfloat16):
-            out = model(torch.randn(batch, n_in, device=device, generator=g))
+            out = net(torch.randn(batch, n_in, device=device, generator=g))
             loss = F.mse_loss(out.float(), torch.zeros(batch, n_out, device=device))
         loss.backward()
         if watch is not None:
