@@ -6,6 +6,7 @@ must know whether the step went bad before the update (``Watch._replay_if_bad``)
 Python and launches the next kernels: GPT-2 small (eager, fused AdamW, an H200) paid 1.113x a step
 for it, against 1.049x for a fused fp16 step whose flag is read with the clip and the optimizer's
 kernel queued behind it; handed to the kernel as below, 1.016x (docs/performance.md, "On a GPU").
+An optimizer that cannot skip in its kernel has the step's weights kept instead (keptweights.py).
 
 A fused Adam or AdamW can skip its own update: it takes GradScaler's inf flag as the optimizer's
 ``found_inf`` attribute for the step (and leaves weights, moments and step counts as they were when

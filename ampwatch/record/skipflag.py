@@ -13,9 +13,8 @@ step's check (max |x| of its loss and gradient norms: bad where not finite) to t
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 import torch
 
