@@ -435,16 +435,19 @@ def test_without_a_scaler_parameters_of_a_group_added_later_are_kept_too(tmp_pat
     assert origin[["step", "module", "phase"]].values.tolist() == [[fault, "4", "forward"]]
 
 
-def test_without_a_scaler_each_check_is_read_at_the_next_steps_update(tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_weights", "keep_weights-off"])
+def test_without_a_scaler_each_check_is_read_at_the_next_steps_update(tmp_path, monkeypatch, keep):
     """On the accelerator path no healthy bf16 step reads anything of its own before its update:
     step i's check is read in step i + 1's ``optimizer.step()`` (its pre-hook), the step before a
     layer_every step's at the end of that step (its post-hook, once its pack is made), and the
-    last one's when the run closes. layer_every steps (0, 5, 10) are observed live: no check."""
+    last one's when the run closes. layer_every steps (0, 5, 10) are observed live: no check.
+    With ``keep_weights=False`` each step reads its own check before its update, holds nothing,
+    and the run says why, once."""
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    watch = ampwatch.attach(model, opt, None, path=str(tmp_path / "r.sqlite"), layer_every=5)
+    watch = ampwatch.attach(model, opt, None, path=str(tmp_path / "r.sqlite"), layer_every=5, keep_weights=keep)
     mode = _Reads()
     held = []
     for i in range(8):
@@ -457,14 +460,22 @@ def test_without_a_scaler_each_check_is_read_at_the_next_steps_update(tmp_path, 
             opt.step()
         held.append(None if watch._held is None else watch._held.pack.step)
         opt.zero_grad()
+    kept = watch._kept_weights
     with mode:
         mode.where = "close"
         watch.close()
-    # held after each step: 1, 2, 3, then 4 through step 5 (observed), 6, 7
-    assert held == [None, 1, 2, 3, 4, None, 6, 7]
-    assert mode.reads == [("step", 2), ("step", 3), ("step", 4), ("step", 5), ("step", 7), "close"]
     run = ampwatch.load(watch.path)
     assert list(run.steps["step"]) == list(range(8)) and run.steps["grad_norm"].notna().all()
+    assert (kept is not None and kept.allocated) == keep
+    waits = run.notices[run.notices.code == "check-read-before-update"]
+    if keep:  # held after each step: 1, 2, 3, then 4 through step 5 (observed), 6, 7
+        assert held == [None, 1, 2, 3, 4, None, 6, 7]
+        assert mode.reads == [("step", 2), ("step", 3), ("step", 4), ("step", 5), ("step", 7), "close"]
+        assert waits.empty
+    else:
+        assert held == [None] * 8
+        assert mode.reads == [("step", i) for i in (1, 2, 3, 4, 6, 7)]
+        assert waits.step.tolist() == [1] and "keep_weights=False" in waits.message.iloc[0]
 
 
 def test_without_a_scaler_where_the_weights_do_not_fit_the_check_is_read_before_the_update(tmp_path, record_path,

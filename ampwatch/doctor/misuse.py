@@ -139,8 +139,8 @@ def misuse_notices(facts: Facts) -> list[Finding]:
                                           "without arguments: its kernel takes the check as its skip flag, "
                                           "and the host reads it once the update is queued instead of "
                                           "waiting before it. With another optimizer, leave the device "
-                                          "room for a copy of the weights (the notice says how much): the "
-                                          "check is then read a step late.",
+                                          "room for a copy of the weights (the notice says how much) and "
+                                          "keep_weights=True: the check is then read a step late.",
               # not a misuse either: the recorder failed and stopped (training went on)
               "recording-stopped": "Training went on; this file ends at that step. Unless the message names "
                                    "something your loop passed, it is an ampwatch bug: please report the "

@@ -15,8 +15,9 @@ step (observed live: a replay must not mix with its values), where the device is
 A bad step is then replayed on its own weights, swapped in for the replay (``.data``: no copy) and
 swapped out after; its update was applied as training alone applies it, so nothing training
 produces changes. The copy lives for the run (the weights' bytes once more on the device) and is
-taken only where the device has room for it (``deferred.may_hold``); elsewhere the check is read
-before the update, as before, and the run says so once.
+taken only where the device has room for it (``deferred.may_hold``), and not at all with the
+option ``keep_weights=False``; elsewhere the check is read before the update, as before, and the
+run says so once.
 """
 from __future__ import annotations
 

@@ -50,6 +50,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("replay", True, _is_bool, "True or False",
             "with localize, on an accelerator with a GradScaler: measure module values on layer_every "
             "steps and localize a skipped step by replaying it, not on every step (False: every step)"),
+    Setting("keep_weights", True, _is_bool, "True or False",
+            "with replay, without a GradScaler, on an accelerator, with an optimizer that cannot skip in its "
+            "kernel: keep a device copy of the weights (where the device has room) so that each step's check "
+            "is read a step late instead of waiting before its update (False: no copy, one wait a step)"),
     Setting("fp32_check", True, _is_bool, "True or False",
             "with localize: recompute a forward origin's module in fp32 on bad steps (events.fp32_amax)"),
     Setting("flush_every_s", 1.0, _positive_number, "a number of seconds > 0",

@@ -591,7 +591,8 @@ class Watch:
             self._early_scalars = scalars
             self._kernel_skip = kernelskip.KernelSkip(optimizer, check)
             return
-        if plain_call and not self._reads_free:  # a step's weights kept instead, the check read a step late
+        if plain_call and not self._reads_free and self.options["keep_weights"]:
+            # a step's weights kept instead, the check read a step late
             if self._kept_weights is None or not self._kept_weights.fits(optimizer):
                 self._kept_weights = keptweights.KeptWeights(optimizer)
             if deferred.may_hold(self, self._kept_weights):
@@ -612,9 +613,13 @@ class Watch:
 
     def _note_check_wait(self, optimizer: Any, plain_call: bool) -> None:
         """Tell the run, once, that its steps wait for the device before each update, and why."""
-        why = ("step() is called with arguments (a closure would run again with the update)" if not plain_call
-               else f"the optimizer ({type(optimizer).__name__}) is not a fused Adam or AdamW, whose kernel "
-                    f"takes the check as its skip flag")
+        if not plain_call:
+            why = "step() is called with arguments (a closure would run again with the update)"
+        else:
+            why = (f"the optimizer ({type(optimizer).__name__}) is not a fused Adam or AdamW, whose kernel "
+                   f"takes the check as its skip flag")
+            if not self.options["keep_weights"]:
+                why += ", and keep_weights=False (no copy of the weights to read it a step late)"
         self._note_once(kernelskip.CHECK_BEFORE_UPDATE,
                        f"without a GradScaler, each step's check of its loss and gradient norms is read "
                        f"before optimizer.step(), where the host waits for the device: {why}")
