@@ -744,3 +744,138 @@ def test_a_submodule_compiled_alone_is_observed_inside_its_graph(tmp_path, recor
     for step in (0, 3):
         inside = set(modules[modules.step == step]["module"])
         assert {"blocks.6._orig_mod.fc1", "blocks.6._orig_mod.fc2", "blocks.5.fc2"} <= inside, step
+
+
+class ResidualNet(nn.Module):
+    """A residual stream through containers (a tensor handed from module to module, a container's
+    input handed to its first child, its output its last child's), an in-place ReLU, and, with
+    ``in_place_between``, a tensor the parent changes in place between the module that made it and
+    the one that reads it (a buffer multiplied in, 1 until a fault)."""
+
+    def __init__(self, in_place_between: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32), nn.ReLU(inplace=True),
+                                                  nn.Linear(32, 32)) for _ in range(2))
+        self.head = nn.Linear(32, 4)
+        self.in_place_between = in_place_between
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.in_place_between:
+            h.mul_(self.gain)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _observed_run(tmp_path, name, model, compiled, fault_step=None, steps=6):
+    """fp16 + GradScaler steps of ``model`` (a ResidualNet or a TinyGPT), every other step
+    observed, on the accelerator path; from ``fault_step`` on a ResidualNet's gain makes ``inp``'s
+    output overflow. (run, per step the slots whose gradients were observed, losses, whether the
+    trace looked tensors up)."""
+    from ampwatch.record import batched, observe
+    from ampwatch.samples.models import TinyGPT
+    torch._dynamo.reset()
+    counters.clear()
+    grads_seen: list = []
+    on_grad, keep = observe.ModuleObserver._on_grad, batched.BatchedReducer.keep
+
+    def counted_on_grad(self, slot, grad):  # eager: every gradient hook
+        if not compiled:
+            grads_seen[-1].append(slot)
+        return on_grad(self, slot, grad)
+
+    def counted_keep(self, d, amax, slot):  # compiled: every ampwatch::keep_max call of the backward
+        grads_seen[-1].append(slot)
+        return keep(self, d, amax, slot)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    try:
+        observe.ModuleObserver._on_grad = counted_on_grad
+        batched.BatchedReducer.keep = counted_keep
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / f"{name}.sqlite"), layer_every=2) as watch:
+            net = torch.compile(model, backend="aot_eager") if compiled else model
+            for step in range(steps):
+                if step == fault_step:
+                    model.gain.fill_(1e6)
+                grads_seen.append([])
+                x = torch.randint(0, 32, (2, 8), generator=g) if isinstance(model, TinyGPT) else \
+                    torch.randn(8, 16, generator=g)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = net(x).float().pow(2).mean()
+                losses.append(loss.detach().clone())
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            dedupe = watch.observer._trace_dedupe
+    finally:
+        observe.ModuleObserver._on_grad, batched.BatchedReducer.keep = on_grad, keep
+    return ampwatch.load(watch.path), grads_seen, losses, dedupe
+
+
+def _same_module_rows(eager, comp, every_row=True):
+    """The module rows of the compiled run are eager's, values to fp16 rounding. ``every_row=False``:
+    eager's rows are among the compiled run's (eager leaves out, on the step it learns its aliases,
+    the forward row of a module whose output a later module changed in place; compiled it is there)."""
+    key = ["step", "module", "phase"]
+    a, b = (r.modules.sort_values(key).reset_index(drop=True) for r in (eager, comp))
+    if not every_row:
+        b = a[key].merge(b, on=key, how="left")
+    assert len(a) and a[key].equals(b[key])
+    assert b["amax"].tolist() == pytest.approx(a["amax"].tolist(), rel=1e-3)
+
+
+def test_a_compiled_observed_step_observes_each_tensor_once_as_eager_does(tmp_path, monkeypatch):
+    """Eager observes a tensor that another module already handed on (the residual stream, a
+    container's input handed to its first child, its output its last child's) once, by the
+    aliases it learns. The compiled observed graph must too, by what its trace notes: the same
+    gradients observed (its backward's ``keep_max`` calls, one per module input and output
+    before), the same module rows, no graph break."""
+    from ampwatch.samples.models import TinyGPT
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes: maxima in the graph
+    model = lambda: TinyGPT(vocab=32, d=32, layers=2, heads=2, seq=8)  # noqa: E731 (same seed: same weights)
+    torch.manual_seed(0)
+    eager, eager_grads, eager_losses, _ = _observed_run(tmp_path, "eager", model(), compiled=False)
+    torch.manual_seed(0)
+    comp, comp_grads, comp_losses, dedupe = _observed_run(tmp_path, "comp", model(), compiled=True)
+    assert dict(counters["graph_break"]) == {} and dedupe
+    modules = eager.modules["module"].nunique()
+    for step in (0, 2, 4):  # observed
+        assert 0 < len(eager_grads[step]) < 1.2 * modules  # one per distinct tensor, not two per module
+        assert sorted(comp_grads[step]) == sorted(eager_grads[step])
+    assert not any(comp_grads[step] for step in (1, 3, 5))
+    _same_module_rows(eager, comp)
+    assert torch.allclose(torch.stack(eager_losses), torch.stack(comp_losses), rtol=1e-3)
+
+
+def test_a_module_working_in_place_keeps_aliases_on_and_values_as_in_eager(tmp_path, monkeypatch):
+    """A ReLU(inplace=True) hands out the tensor it received, changed: its input and output are
+    observed anew (not as aliases of the Linear's output before it), and aliases stay on."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    eager, _, _, _ = _observed_run(tmp_path, "eager", ResidualNet(), compiled=False)
+    comp, comp_grads, _, dedupe = _observed_run(tmp_path, "comp", ResidualNet(), compiled=True)
+    assert dedupe and dict(counters["graph_break"]) == {}
+    assert len(comp_grads[0]) < 2 * comp.modules["module"].nunique()
+    _same_module_rows(eager, comp, every_row=False)
+
+
+def test_a_tensor_changed_in_place_between_modules_is_observed_on_its_own(tmp_path, monkeypatch):
+    """The parent multiplies a module's output in place before the next module reads it: the same
+    tensor, another value, which the traced identity test cannot tell. The trace notes the change,
+    so the observed graph is compiled again without aliases from the next observed step on, and a
+    fault born there (the parent's gain overflows fp16 at step 4) is localized as in eager."""
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    eager, _, _, _ = _observed_run(tmp_path, "eager", ResidualNet(True), compiled=False, fault_step=4)
+    comp, _, _, dedupe = _observed_run(tmp_path, "comp", ResidualNet(True), compiled=True, fault_step=4)
+    assert not dedupe
+    assert dict(counters["graph_break"]) == {}
+    cols = ["step", "phase", "module", "origin"]
+    origins = eager.events[eager.events.origin][cols].reset_index(drop=True)
+    assert len(origins) and origins.equals(comp.events[comp.events.origin][cols].reset_index(drop=True))
+    assert origins.iloc[0]["step"] == 4 and origins.iloc[0]["phase"] == "forward"

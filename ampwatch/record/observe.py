@@ -17,7 +17,9 @@ gradient hooks: the host reads the other module's slot instead. Inputs are obser
 hook, after the module ran, so a module costs one Python hook call per forward: only the root
 (micro-batches) and modules that work in place (their input must be measured before they change
 it) also get a pre-hook. Under ``torch.compile`` the hooks skip the
-Python bookkeeping and Dynamo traces them into the graph with no graph break. On an accelerator a
+Python bookkeeping and Dynamo traces them into the graph with no graph break; a tensor already
+observed in the trace is not observed again, and the trace notes the alias, as eager's learning step
+learns it (:meth:`ModuleObserver._dedupe_traced`). On an accelerator a
 forward hook traces ``x.abs().amax()`` for each tensor (inductor fuses it into the kernel that makes
 ``x``) and appends the 0-d result to the step's maxima, a list mutation Dynamo replays after the
 graph; the root's wrapper joins them in the graph as its forward returns, so the maxima leave the
@@ -70,6 +72,55 @@ DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
 
 
 _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the op
+
+try:  # runs a function while Dynamo traces, and nothing at run time
+    from torch._dynamo.comptime import comptime as _comptime
+except ImportError:  # pragma: no cover - torch without it: every traced tensor observed on its own
+    _comptime = None
+
+
+def _trace_note(ctx: Any) -> None:
+    """While Dynamo traces an observed forward (``torch._dynamo.comptime``; never at run time): what
+    :meth:`ModuleObserver._observe_traced` decided, read from its locals, kept on the observer.
+    ``start``: a trace begins. ``new``: tensor ``t`` is observed in its own slot (its version is
+    noted). ``alias``: ``t`` is the very tensor slot ``target`` already holds, not observed again;
+    noted in the graph's aliases, which the host reads as eager's learned ones, unless a change in
+    place since (which the identity test in the traced code cannot see) makes it another value:
+    then the graph is traced again without aliases. ``called``: module ``index``'s call ended.
+    ``end``: the forward returns."""
+    observer = _OBSERVERS.get(ctx.get_local("oid").as_python_constant())
+    note = ctx.get_local("note").as_python_constant()
+    if observer is None:
+        return
+    if note == "start" or observer._trace_notes is None:  # (or what an abandoned trace left)
+        observer._trace_notes = {"versions": {}, "calls": {}}
+    notes = observer._trace_notes
+    if note == "new":
+        fake = ctx.get_local("t").as_fake()
+        notes["versions"][id(fake)] = (fake, fake._version)  # the fake kept: its id is not reused
+    elif note == "alias":
+        fake = ctx.get_local("t").as_fake()
+        held = notes["versions"].get(id(fake))
+        # ``held`` is None for a tensor observed in the graph before a graph break: its version
+        # there is another fake's, and the identity is what there is to go by
+        if held is not None and held[1] != fake._version:
+            # changed in place since it was observed: no alias, so this graph leaves the slot
+            # unobserved. Its flag goes off as the step ends (take), not now: this trace reads it
+            # in every hook and must go on as it began. The graph guards on it, so the next
+            # observed step compiles it again without aliases (restarting this trace instead
+            # diverges from Dynamo's log of a graph break)
+            observer._trace_dedupe_next = False
+            return
+        index = ctx.get_local("index").as_python_constant()
+        key = (index, ctx.get_local("role").as_python_constant(), notes["calls"].get(index, 0),
+               ctx.get_local("pos").as_python_constant())
+        # straight into the graph's aliases: a model with graph breaks is traced in several frames
+        observer._traced_aliases[key] = ctx.get_local("target").as_python_constant()
+    elif note == "called":
+        index = ctx.get_local("index").as_python_constant()
+        notes["calls"][index] = notes["calls"].get(index, 0) + 1
+    elif note == "end":
+        observer._trace_notes = None
 
 
 _LIBRARY = torch.library.Library("ampwatch", "DEF")
@@ -325,8 +376,17 @@ class ModuleObserver:
         # the root's forward wrapped so a compiled model's graphs tell observed steps apart by one
         # flag instead of guards on every hook dict (compiled.py)
         # (on an accelerator its compiled forward joins the maxima its hooks traced: batched.py)
-        self._split = GraphSplit(modules[0], self.observing, self._batch.join_traced if self._host is None else None)
+        self._split = GraphSplit(modules[0], self.observing, self._finish_traced)
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
+        # Under torch.compile, an observed forward's trace observes each tensor once, as eager's
+        # learned aliases do (_observe_traced): the tensors observed so far in the trace with their
+        # slots (emptied as each observed forward ends), whether to look them up at all (off for
+        # good once a tensor was changed in place between two modules), what the trace noted
+        # (_trace_note), and the aliases of the graph that runs
+        self._trace_seen: list[tuple[torch.Tensor, int]] = []
+        self._trace_dedupe = self._trace_dedupe_next = _comptime is not None
+        self._trace_notes: Optional[dict] = None
+        self._traced_aliases: dict[tuple[int, int, int, int], int] = {}
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
         self._first_forward_seen = False
         self._replay_handles: Optional[list] = None  # inside_compiled_blocks: its hooks
@@ -508,6 +568,7 @@ class ModuleObserver:
         self._held: dict[int, Any] = {}  # alias target slot -> weak reference to its tensor this step
         self._broken: set[tuple[int, int, int, int]] = set()  # aliases that did not hold this step
         self._wrote = False
+        self._traced_step = False  # a compiled forward handed out maxima this step
         self._calls = 0
         self._call_of: dict[int, int] = {}
         self.counts: dict[int, list[float]] = {}     # slot -> [nan, inf] (only where reads are free)
@@ -533,6 +594,10 @@ class ModuleObserver:
             self._alias_modules = {key[0] for key in self.aliases}
         changed = self._batch.changed
         aliases = self.aliases if not self._broken else {k: v for k, v in self.aliases.items() if k not in self._broken}
+        if self._traced_step and self._traced_aliases:  # a compiled forward's, noted as it was traced
+            aliases = {**aliases, **self._traced_aliases}
+        if self._trace_dedupe and not self._trace_dedupe_next:  # graphs traced from now on have none
+            self._trace_dedupe, self._traced_aliases = False, {}
         step = {"aliases": aliases, "order": self.order, "counts": self.counts, "changed": frozenset(changed),
                 # where reads are free, a step whose queue was dropped unreduced has empty stats: the
                 # writer skips decoding them (most CPU steps)
@@ -657,10 +722,68 @@ class ModuleObserver:
         self._handle_modules.clear()
 
     # -- observation -------------------------------------------------------------------------------
-    def _observe_traced(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
-        """Under torch.compile: each of a module call's tensors reduced in the graph (accelerator) or
-        one op call for all of them (free reads), into ``slots``; and a tensor hook for each one's
-        gradient."""
+    def _finish_traced(self) -> None:
+        """As an observed forward returns inside its graph (the wrapper's ``finish``, traced): the
+        maxima joined (accelerator), the trace's aliases noted, its list of tensors emptied, so
+        that none of them leaves the graph as an output. Eager: nothing."""
+        if not _compiling():
+            return
+        if self._host is None:
+            self._batch.join_traced()
+        if self._trace_seen:
+            oid, note = self._id, "end"  # noqa: F841 (read by _trace_note)
+            _comptime(_trace_note)
+            self._trace_seen.clear()
+
+    def _dedupe_traced(self, index: int, ins: list[torch.Tensor], outs: list[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor], list[int]]:
+        """While Dynamo traces: the tensors of a module call to observe, and their slots, leaving
+        out each tensor already observed in this trace (the residual stream handed from module to
+        module, a container's input handed to its first child, a container's output that is its
+        last child's): its value and its gradient are those of the slot that holds it, as eager's
+        learned aliases say (``_observe``). On GPT-2 small's tree that halves the observed
+        graph's reductions and its backward's ``keep_max`` calls (~300 to ~150 each). The test
+        ``is`` runs while tracing; what it decides is noted for the host by :func:`_trace_note`,
+        which also catches a tensor changed in place between two modules."""
+        seen, oid = self._trace_seen, self._id
+        if not seen:
+            note = "start"  # noqa: F841 (read by _trace_note)
+            _comptime(_trace_note)
+        # a module that works in place (pre-hooked for that, or seen handing out its input) changes
+        # what it received: its tensors are observed anew, and later readers alias its slots
+        inplace = index in self._pre or any(o is a for o in outs for a in ins)
+        tensors, slots = [], []
+        for role, group in ((IN, ins), (OUT, outs)):
+            slot = ROLES * index + role
+            for pos, t in enumerate(group):
+                target = None
+                for u, s in seen:
+                    if u is t:
+                        target = s
+                        break
+                if target is not None and not inplace:
+                    note = "alias"  # noqa: F841
+                    _comptime(_trace_note)
+                    continue
+                if target is not None:  # changed in place by this module: later readers hold its slot
+                    seen[:] = [e for e in seen if e[0] is not t]
+                seen.append((t, slot))
+                note = "new"  # noqa: F841
+                _comptime(_trace_note)
+                tensors.append(t)
+                slots.append(slot)
+        return tensors, slots
+
+    def _observe_traced(self, index: int, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Under torch.compile: each of a module call's tensors (its inputs ``ins``, its outputs
+        ``outs``) not observed yet in this trace (:meth:`_dedupe_traced`) reduced in the graph
+        (accelerator) or one op call for all of them (free reads), into its slot; and a tensor hook
+        for each one's gradient."""
+        if self._trace_dedupe:
+            tensors, slots = self._dedupe_traced(index, ins, outs)
+        else:
+            tensors = ins + outs
+            slots = [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs)
         rest, rest_slots = [], []
         for t, slot in zip(tensors, slots):
             if self._host is None and type(t) is torch.Tensor:
@@ -770,8 +893,7 @@ class ModuleObserver:
             # ampwatch op at all, the one it would run without ampwatch (the other graph is
             # compiled once, on the first observed step)
             if self.observing:
-                tensors = _inputs(args, kwargs)
-                self._observe_traced(tensors, [ROLES * index + IN] * len(tensors))
+                self._observe_traced(index, _inputs(args, kwargs), [])
             return
         if not self.observing:  # hooks kept for a compiled graph, run eagerly around a break
             return
@@ -811,9 +933,11 @@ class ModuleObserver:
             return
         if _compiling():
             if self.observing:  # as in _before: unobserved steps trace no ampwatch op
-                ins = [] if index in self._pre else _inputs(args, kwargs)
-                outs = tensor_list(output)
-                self._observe_traced(ins + outs, [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs))
+                self._observe_traced(index, [] if index in self._pre else _inputs(args, kwargs),
+                                     tensor_list(output))
+                if self._trace_dedupe:
+                    oid, note = self._id, "called"  # noqa: F841 (read by _trace_note)
+                    _comptime(_trace_note)
             return
         if not self.observing:
             return
@@ -825,6 +949,11 @@ class ModuleObserver:
                 # maxima a compiled graph handed out are its outputs (under CUDA graphs, memory the
                 # next replay overwrites): folded into the stats now, before another graph runs
                 self._settle()
+                self._traced_step = True  # its aliases are the graph's (take)
+                # the trace's list of observed tensors is emptied inside the graph as the forward
+                # returns, except across a graph break inside the model, where Dynamo hands it
+                # from graph to graph as it stood: emptied here, so no step sees another's
+                self._trace_seen.clear()
             outputs = tensor_list(output)
             self._calls += 1
             learning = self._learning
