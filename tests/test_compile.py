@@ -879,3 +879,27 @@ def test_a_tensor_changed_in_place_between_modules_is_observed_on_its_own(tmp_pa
     origins = eager.events[eager.events.origin][cols].reset_index(drop=True)
     assert len(origins) and origins.equals(comp.events[comp.events.origin][cols].reset_index(drop=True))
     assert origins.iloc[0]["step"] == 4 and origins.iloc[0]["phase"] == "forward"
+
+
+def test_a_failing_trace_note_leaves_the_compile_to_observe_every_tensor_apart(tmp_path, monkeypatch):
+    """What the trace notes runs inside the user's torch.compile: an error there (a torch whose
+    Dynamo hands it other locals) must not reach the user's compile. The run trains, and from the
+    next observed step the observed graph observes every tensor apart, with eager's module rows."""
+    from ampwatch.record import observe
+    from ampwatch.samples.models import TinyGPT
+    monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+
+    def broken(ctx, observer, note):
+        raise RuntimeError("a local this torch does not have")
+    monkeypatch.setattr(observe, "_note", broken)
+    torch.manual_seed(0)
+    eager, _, _, _ = _observed_run(tmp_path, "eager", TinyGPT(vocab=32, d=32, layers=2, heads=2, seq=8), compiled=False)
+    torch.manual_seed(0)
+    comp, comp_grads, _, dedupe = _observed_run(tmp_path, "comp", TinyGPT(vocab=32, d=32, layers=2, heads=2, seq=8),
+                                                compiled=True)
+    assert not dedupe and dict(counters["graph_break"]) == {}
+    assert len(comp_grads[2]) > len(comp_grads[0])  # step 0's graph skipped tensors; step 2's observes each
+    key = ["step", "module", "phase"]
+    later = [r.modules[r.modules.step > 0].sort_values(key).reset_index(drop=True) for r in (eager, comp)]
+    assert len(later[0]) and later[0][key].equals(later[1][key])
+    assert later[1]["amax"].tolist() == pytest.approx(later[0]["amax"].tolist(), rel=1e-3)

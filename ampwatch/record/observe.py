@@ -77,6 +77,9 @@ try:  # runs a function while Dynamo traces, and nothing at run time
     from torch._dynamo.comptime import comptime as _comptime
 except ImportError:  # pragma: no cover - torch without it: every traced tensor observed on its own
     _comptime = None
+# Tried on torch 2.13 (tests/test_compile.py); older torch, whose Dynamo may trace the lookup
+# otherwise, observes every traced tensor apart, as before
+_TRACE_ALIASES = _comptime is not None and tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 6)
 
 
 def _trace_note(ctx: Any) -> None:
@@ -88,10 +91,17 @@ def _trace_note(ctx: Any) -> None:
     place since (which the identity test in the traced code cannot see) makes it another value:
     then the graph is traced again without aliases. ``called``: module ``index``'s call ended.
     ``end``: the forward returns."""
-    observer = _OBSERVERS.get(ctx.get_local("oid").as_python_constant())
-    note = ctx.get_local("note").as_python_constant()
-    if observer is None:
-        return
+    observer = None
+    try:
+        observer = _OBSERVERS.get(ctx.get_local("oid").as_python_constant())
+        if observer is not None:
+            _note(ctx, observer, ctx.get_local("note").as_python_constant())
+    except Exception:  # inside the user's compile: never raise; no alias noted, none from now on
+        if observer is not None:
+            observer._trace_dedupe_next = False
+
+
+def _note(ctx: Any, observer: "ModuleObserver", note: str) -> None:
     if note == "start" or observer._trace_notes is None:  # (or what an abandoned trace left)
         observer._trace_notes = {"versions": {}, "calls": {}}
     notes = observer._trace_notes
@@ -384,7 +394,7 @@ class ModuleObserver:
         # good once a tensor was changed in place between two modules), what the trace noted
         # (_trace_note), and the aliases of the graph that runs
         self._trace_seen: list[tuple[torch.Tensor, int]] = []
-        self._trace_dedupe = self._trace_dedupe_next = _comptime is not None
+        self._trace_dedupe = self._trace_dedupe_next = _TRACE_ALIASES
         self._trace_notes: Optional[dict] = None
         self._traced_aliases: dict[tuple[int, int, int, int], int] = {}
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
