@@ -885,13 +885,13 @@ def test_a_failing_trace_note_leaves_the_compile_to_observe_every_tensor_apart(t
     """What the trace notes runs inside the user's torch.compile: an error there (a torch whose
     Dynamo hands it other locals) must not reach the user's compile. The run trains, and from the
     next observed step the observed graph observes every tensor apart, with eager's module rows."""
-    from ampwatch.record import observe
+    from ampwatch.record import traced_aliases
     from ampwatch.samples.models import TinyGPT
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
 
-    def broken(ctx, observer, note):
+    def broken(ctx, observer, kind):
         raise RuntimeError("a local this torch does not have")
-    monkeypatch.setattr(observe, "_note", broken)
+    monkeypatch.setattr(traced_aliases, "note", broken)
     torch.manual_seed(0)
     eager, _, _, _ = _observed_run(tmp_path, "eager", TinyGPT(vocab=32, d=32, layers=2, heads=2, seq=8), compiled=False)
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ hook, after the module ran, so a module costs one Python hook call per forward: 
 it) also get a pre-hook. Under ``torch.compile`` the hooks skip the
 Python bookkeeping and Dynamo traces them into the graph with no graph break; a tensor already
 observed in the trace is not observed again, and the trace notes the alias, as eager's learning step
-learns it (:meth:`ModuleObserver._dedupe_traced`). On an accelerator a
+learns it (:mod:`.traced_aliases`). On an accelerator a
 forward hook traces ``x.abs().amax()`` for each tensor (inductor fuses it into the kernel that makes
 ``x``) and appends the 0-d result to the step's maxima, a list mutation Dynamo replays after the
 graph; the root's wrapper joins them in the graph as its forward returns, so the maxima leave the
@@ -60,7 +60,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from . import torch_access
+from . import torch_access, traced_aliases
 from .batched import BatchedReducer
 from .compiled import CompiledBlocks, GraphSplit
 from .copies import ours
@@ -73,64 +73,20 @@ DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
 
 _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the op
 
-try:  # runs a function while Dynamo traces, and nothing at run time
-    from torch._dynamo.comptime import comptime as _comptime
-except ImportError:  # pragma: no cover - torch without it: every traced tensor observed on its own
-    _comptime = None
-# Tried on torch 2.13 (tests/test_compile.py). 2.6 to 2.12 were not tried: there a note that fails
-# turns aliases off (_trace_note never raises). Before 2.6 every traced tensor is observed apart
-_TRACE_ALIASES = _comptime is not None and tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 6)
 
 
 def _trace_note(ctx: Any) -> None:
-    """While Dynamo traces an observed forward (``torch._dynamo.comptime``; never at run time): what
-    :meth:`ModuleObserver._observe_traced` decided, read from its locals, kept on the observer.
-    ``start``: a trace begins. ``new``: tensor ``t`` is observed in its own slot (its version is
-    noted). ``alias``: ``t`` is the very tensor slot ``target`` already holds, not observed again;
-    noted in the graph's aliases, which the host reads as eager's learned ones, unless a change in
-    place since (which the identity test in the traced code cannot see) makes it another value:
-    then the graph is traced again without aliases. ``called``: module ``index``'s call ended.
-    ``end``: the forward returns."""
+    """While Dynamo traces an observed forward (``torch._dynamo.comptime``; never at run time): the
+    observer named by the local ``oid`` notes what its traced hooks decided (:func:`.traced_aliases.note`).
+    Never raises inside the user's compile: a failure notes no alias, and none from then on."""
     observer = None
     try:
         observer = _OBSERVERS.get(ctx.get_local("oid").as_python_constant())
         if observer is not None:
-            _note(ctx, observer, ctx.get_local("note").as_python_constant())
-    except Exception:  # inside the user's compile: never raise; no alias noted, none from now on
+            traced_aliases.note(ctx, observer, ctx.get_local("note").as_python_constant())
+    except Exception:
         if observer is not None:
             observer._trace_dedupe_next = False
-
-
-def _note(ctx: Any, observer: "ModuleObserver", note: str) -> None:
-    if note == "start" or observer._trace_notes is None:  # (or what an abandoned trace left)
-        observer._trace_notes = {"versions": {}, "calls": {}}
-    notes = observer._trace_notes
-    if note == "new":
-        fake = ctx.get_local("t").as_fake()
-        notes["versions"][id(fake)] = (fake, fake._version)  # the fake kept: its id is not reused
-    elif note == "alias":
-        fake = ctx.get_local("t").as_fake()
-        held = notes["versions"].get(id(fake))
-        # ``held`` is None for a tensor observed in the graph before a graph break: its version
-        # there is another fake's, and the identity is what there is to go by
-        if held is not None and held[1] != fake._version:
-            # changed in place since it was observed: no alias, so this graph leaves the slot
-            # unobserved. Its flag goes off as the step ends (take), not now: this trace reads it
-            # in every hook and must go on as it began. The graph guards on it, so the next
-            # observed step compiles it again without aliases (restarting this trace instead
-            # diverges from Dynamo's log of a graph break)
-            observer._trace_dedupe_next = False
-            return
-        index = ctx.get_local("index").as_python_constant()
-        key = (index, ctx.get_local("role").as_python_constant(), notes["calls"].get(index, 0),
-               ctx.get_local("pos").as_python_constant())
-        # straight into the graph's aliases: a model with graph breaks is traced in several frames
-        observer._traced_aliases[key] = ctx.get_local("target").as_python_constant()
-    elif note == "called":
-        index = ctx.get_local("index").as_python_constant()
-        notes["calls"][index] = notes["calls"].get(index, 0) + 1
-    elif note == "end":
-        observer._trace_notes = None
 
 
 _LIBRARY = torch.library.Library("ampwatch", "DEF")
@@ -389,12 +345,12 @@ class ModuleObserver:
         self._split = GraphSplit(modules[0], self.observing, self._finish_traced)
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
         # Under torch.compile, an observed forward's trace observes each tensor once, as eager's
-        # learned aliases do (_observe_traced): the tensors observed so far in the trace with their
+        # learned aliases do (traced_aliases.py): the tensors observed so far in the trace with their
         # slots (emptied as each observed forward ends), whether to look them up at all (off for
         # good once a tensor was changed in place between two modules), what the trace noted
         # (_trace_note), and the aliases of the graph that runs
         self._trace_seen: list[tuple[torch.Tensor, int]] = []
-        self._trace_dedupe = self._trace_dedupe_next = _TRACE_ALIASES
+        self._trace_dedupe = self._trace_dedupe_next = traced_aliases.ENABLED
         self._trace_notes: Optional[dict] = None
         self._traced_aliases: dict[tuple[int, int, int, int], int] = {}
         self._hooked = True  # the hooks of _handles are in their modules' hook dicts
@@ -742,55 +698,16 @@ class ModuleObserver:
             self._batch.join_traced()
         if self._trace_seen:
             oid, note = self._id, "end"  # noqa: F841 (read by _trace_note)
-            _comptime(_trace_note)
+            traced_aliases.comptime(_trace_note)
             self._trace_seen.clear()
-
-    def _dedupe_traced(self, index: int, ins: list[torch.Tensor], outs: list[torch.Tensor]
-                       ) -> tuple[list[torch.Tensor], list[int]]:
-        """While Dynamo traces: the tensors of a module call to observe, and their slots, leaving
-        out each tensor already observed in this trace (the residual stream handed from module to
-        module, a container's input handed to its first child, a container's output that is its
-        last child's): its value and its gradient are those of the slot that holds it, as eager's
-        learned aliases say (``_observe``). On GPT-2 small's tree that halves the observed
-        graph's reductions and its backward's ``keep_max`` calls (~300 to ~150 each). The test
-        ``is`` runs while tracing; what it decides is noted for the host by :func:`_trace_note`,
-        which also catches a tensor changed in place between two modules."""
-        seen, oid = self._trace_seen, self._id
-        if not seen:
-            note = "start"  # noqa: F841 (read by _trace_note)
-            _comptime(_trace_note)
-        # a module that works in place (pre-hooked for that, or seen handing out its input) changes
-        # what it received: its tensors are observed anew, and later readers alias its slots
-        inplace = index in self._pre or any(o is a for o in outs for a in ins)
-        tensors, slots = [], []
-        for role, group in ((IN, ins), (OUT, outs)):
-            slot = ROLES * index + role
-            for pos, t in enumerate(group):
-                target = None
-                for u, s in seen:
-                    if u is t:
-                        target = s
-                        break
-                if target is not None and not inplace:
-                    note = "alias"  # noqa: F841
-                    _comptime(_trace_note)
-                    continue
-                if target is not None:  # changed in place by this module: later readers hold its slot
-                    seen[:] = [e for e in seen if e[0] is not t]
-                seen.append((t, slot))
-                note = "new"  # noqa: F841
-                _comptime(_trace_note)
-                tensors.append(t)
-                slots.append(slot)
-        return tensors, slots
 
     def _observe_traced(self, index: int, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Under torch.compile: each of a module call's tensors (its inputs ``ins``, its outputs
-        ``outs``) not observed yet in this trace (:meth:`_dedupe_traced`) reduced in the graph
+        ``outs``) not observed yet in this trace (:func:`.traced_aliases.observe_once`) reduced in the graph
         (accelerator) or one op call for all of them (free reads), into its slot; and a tensor hook
         for each one's gradient."""
         if self._trace_dedupe:
-            tensors, slots = self._dedupe_traced(index, ins, outs)
+            tensors, slots = traced_aliases.observe_once(self, _trace_note, index, ins, outs)
         else:
             tensors = ins + outs
             slots = [ROLES * index + IN] * len(ins) + [ROLES * index + OUT] * len(outs)
@@ -947,7 +864,7 @@ class ModuleObserver:
                                      tensor_list(output))
                 if self._trace_dedupe:
                     oid, note = self._id, "called"  # noqa: F841 (read by _trace_note)
-                    _comptime(_trace_note)
+                    traced_aliases.comptime(_trace_note)
             return
         if not self.observing:
             return
