@@ -690,8 +690,9 @@ class ModuleObserver:
     # -- observation -------------------------------------------------------------------------------
     def _finish_traced(self) -> None:
         """As an observed forward returns inside its graph (the wrapper's ``finish``, traced): the
-        maxima joined (accelerator), the trace's aliases noted, its list of tensors emptied, so
-        that none of them leaves the graph as an output. Eager: nothing."""
+        maxima joined (accelerator); the trace's notes let go (their fake tensors) and its list of
+        observed tensors emptied, so that none of them leaves the graph as an output. Eager:
+        nothing."""
         if not _compiling():
             return
         if self._host is None:

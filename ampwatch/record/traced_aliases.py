@@ -7,8 +7,10 @@ once: those slots are aliases, read from the slot that holds the tensor (``obser
 A compiled observed forward does the same as Dynamo traces it: each traced hook looks its tensors up,
 by identity (``is``, which Dynamo answers while tracing), among those observed so far in the trace
 (:func:`observe_once`), and reduces and hooks only the new ones. What it decides is noted while
-tracing (``torch._dynamo.comptime``: nothing of it runs or is guarded at run time) as the graph's
-aliases (:func:`note`), which the host reads as eager's. On GPT-2 small's tree that halves the
+tracing (``torch._dynamo.comptime``: the notes run only then, never at run time) as the graph's
+aliases (:func:`note`), which the host reads as eager's. The graph guards on the observer's flag
+and on its list of observed tensors being empty as the forward begins: checks on each call
+of the observed graph only (a few guards). On GPT-2 small's tree that halves the
 observed graph's reductions and its backward's ``ampwatch::keep_max`` calls (~300 to ~150 each).
 
 Identity is not value: a tensor the parent's code changes in place between two modules is the
