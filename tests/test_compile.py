@@ -865,6 +865,21 @@ def test_a_module_working_in_place_keeps_aliases_on_and_values_as_in_eager(tmp_p
     _same_module_rows(eager, comp, every_row=False)
 
 
+def test_eager_keeps_its_aliases_after_a_module_working_in_place(tmp_path, monkeypatch):
+    """Eager, the step that learns the aliases finds the in-place ReLU's slots changed while pending
+    and learns again on the next observed step. An unobserved step in between (the accelerator
+    path: no module hooks run) must leave that re-learning pending, not end it with no aliases
+    (which hooked every module input and output, 24 gradients, on every later observed step). The
+    host path observes every step, so it learns again at once: its count is the ground truth."""
+    counts = {}
+    for path in ("1", "0"):  # accelerator (observed steps 0, 2, 4, ...), host (every step)
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", path)
+        _, grads, _, _ = _observed_run(tmp_path, f"eager{path}", ResidualNet(), compiled=False, steps=9)
+        counts[path] = [len(grads[step]) for step in (2, 4, 6, 8)]
+    hooked_apart = 2 * 12  # every input and output of the 12 modules below the root, observed apart
+    assert counts["1"] == counts["0"] and counts["1"][0] < hooked_apart
+
+
 def test_a_tensor_changed_in_place_between_modules_is_observed_on_its_own(tmp_path, monkeypatch):
     """The parent multiplies a module's output in place before the next module reads it: the same
     tensor, another value, which the traced identity test cannot tell. The trace notes the change,

@@ -9,7 +9,8 @@ propagates into min and max and inf shows as ±inf, so "non-finite" and its kind
 slot on the host. A slot observed several times in a step (a shared module, micro-batches) keeps
 the running min/max.
 
-Eager: the first step (and any step after the module call count changed) is a *learning* step: the
+Eager: the first observed step (and the next observed step after the module call count changed or
+a slot turned out to be changed in place while pending) is a *learning* step: the
 hooks note which inputs and outputs are the very tensors another module already produced or
 received, unchanged since (the residual stream, a container's input handed to its first child, a
 container's output that is its last child's), and later steps skip reducing those and skip their
@@ -572,9 +573,11 @@ class ModuleObserver:
                 "lowp": self.lowp_amax}
         if self.keeper is not None:
             self.keeper.clear()  # the step's kept inputs are released here
-        # re-learn only when the structure visibly changed (the number of module calls)
-        self._learning = (self._calls != self._learned_calls and not (self._calls == 0 and self.order)
-                          or bool(changed))  # a slot turned volatile: no module may read it any more
+        # re-learn only when the structure visibly changed (the number of module calls), or a slot
+        # turned volatile (no module may read it any more); a step that called no module (not
+        # observed) tells neither, and leaves a pending re-learning for the next observed step
+        if self._calls or changed:
+            self._learning = self._calls != self._learned_calls or bool(changed)
         changed.clear()
         if self._learning:
             self.aliases = {}
