@@ -21,7 +21,9 @@ counted too. Reported per variant: the main thread's instructions on the observe
 between observed ones (their mean), and averaged over a whole block
 (``(observed + (layer_every - 1) * between) / layer_every``: what a run pays), each against the
 base's; and the other threads' (the writer's: turning packs into rows; its commits, every
-``flush_every_s``, are left out of the window, as a run makes one per ~7 steps).
+``flush_every_s``, are left out of the window, as a run makes one per ~7 steps). Last, per
+variant, the instructions inside the CPU's per-tensor loops of ``torch._foreach_*`` ops (which a GPU
+runs as multi-tensor launches): how much of a count is that CPU-only form.
 
 What a count is not: time. An instruction of the interpreter and one of a vectorized kernel cost
 differently, cache misses and waits for the GIL are not counted, and Valgrind's CPU has no AVX-512
@@ -135,9 +137,30 @@ def split(path: str) -> tuple[int, int]:
     return kernel, sync
 
 
-def counts(out: str, variant: str) -> dict[str, tuple[int, int, int, int]]:
+# On the CPU a ``torch._foreach_*`` op runs its tensors one by one, each a whole op through the
+# dispatcher (``foreach_tensor_<op>_slow``); on a GPU the same call is one multi-tensor launch per
+# ~chunk of tensors. Their inclusive count (the per-tensor ops, arithmetic included) is reported
+# apart: the part of a count that a GPU step does not pay as host time in that form.
+_FOREACH_LOOP = re.compile(r"at::native::foreach_tensor_\w+_slow\(")
+
+
+def foreach_loops(path: str) -> int:
+    """Instructions of ``path``'s dump inside the CPU's per-tensor loops of ``_foreach_*`` ops
+    (inclusive: each loop with the ops it calls). The loops call no other such loop."""
+    listing = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],
+                             capture_output=True, text=True, check=True).stdout
+    loops: dict[str, int] = {}
+    for line in listing.splitlines():
+        match = _LINE.match(line)
+        if match and _FOREACH_LOOP.search(match.group(2)):
+            name = re.sub(r"'\d+$", "", match.group(2).split(" [")[0].strip())  # recursion: one figure
+            loops[name] = max(loops.get(name, 0), int(match.group(1).replace(",", "")))
+    return sum(loops.values())
+
+
+def counts(out: str, variant: str) -> dict[str, tuple[int, int, int, int, int]]:
     """Part (observed, between) -> (main thread's Ir, of which in kernel bodies, of which in handing
-    locks between threads, other threads' Ir)."""
+    locks between threads, other threads' Ir, the main thread's in per-tensor loops of foreach ops)."""
     parts: dict[str, list[int]] = {}
     for path in glob.glob(f"{out}/{variant}.cg.*.[0-9]*-[0-9]*"):
         match = re.search(r"\.(\d+)-(\d+)$", path)
@@ -145,15 +168,16 @@ def counts(out: str, variant: str) -> dict[str, tuple[int, int, int, int]]:
         part = {"1": "observed", "2": "between"}.get(match.group(1)) if match else None
         if part is None or total is None:
             continue
-        threads = parts.setdefault(part, [0, 0, 0, 0])
+        threads = parts.setdefault(part, [0, 0, 0, 0, 0])
         if match.group(2) == "01":  # the main thread: the training loop
             kernel, sync = split(path)
             threads[0] += int(total.group(1))
             threads[1] += kernel
             threads[2] += sync
+            threads[4] += foreach_loops(path)
         else:
             threads[3] += int(total.group(1))
-    return {part: (v[0], v[1], v[2], v[3]) for part, v in parts.items()}
+    return {part: (v[0], v[1], v[2], v[3], v[4]) for part, v in parts.items()}
 
 
 def run_variant(variant: str, args: argparse.Namespace, out: str) -> dict[str, tuple[int, int]]:
@@ -211,7 +235,7 @@ def main() -> None:
     L = args.layer_every
 
     def per_step(r: dict) -> list[float]:
-        (o_all, o_kernel, o_sync, o_other), (b_all, b_kernel, b_sync, b_other) = r["observed"], r["between"]
+        (o_all, o_kernel, o_sync, o_other, _), (b_all, b_kernel, b_sync, b_other, _) = r["observed"], r["between"]
         h = args.healthy
         observed = (o_all, o_all - o_kernel - o_sync)
         between = (b_all / h, (b_all - b_kernel - b_sync) / h)
@@ -230,6 +254,14 @@ def main() -> None:
         f"{variant} {figures[variant][1] / 1e6 - base[1] / 1e6:+,.2f} on the observed step, "
         f"{figures[variant][3] / 1e6 - base[3] / 1e6:+,.3f} between, "
         f"{figures[variant][5] / 1e6 - base[5] / 1e6:+,.3f} averaged" for variant in variants if variant != "base"))
+    loops = {variant: (results[variant]["observed"][4], results[variant]["between"][4] / args.healthy)
+             for variant in variants}
+    print("\nof that, in the CPU's per-tensor loops of `_foreach_*` ops (M a step, their arithmetic included; a GPU "
+          "runs each such call as one multi-tensor launch per chunk of tensors): " + "; ".join(
+              f"{variant} {o / 1e6:,.2f} on the observed step, {b / 1e6:,.3f} between"
+              + ("" if variant == "base" else
+                 f" ({(o - loops['base'][0]) / 1e6:+,.2f} and {(b - loops['base'][1]) / 1e6:+,.3f} against the base)")
+              for variant, (o, b) in loops.items()))
     print(f"\n(dump files in {out})")
 
 
