@@ -141,7 +141,7 @@ def split(path: str) -> tuple[int, int]:
 # dispatcher (``foreach_tensor_<op>_slow``); on a GPU the same call is one multi-tensor launch per
 # ~chunk of tensors. Their inclusive count (the per-tensor ops, arithmetic included) is reported
 # apart: the part of a count that a GPU step does not pay as host time in that form.
-_FOREACH_LOOP = re.compile(r"at::native::foreach_tensor_\w+_slow\(")
+_FOREACH_LOOP = re.compile(r"at::native::foreach_tensor_\w+_slow_?\(")  # in place: ..._slow_
 
 
 def foreach_loops(path: str) -> int:
