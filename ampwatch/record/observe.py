@@ -75,7 +75,6 @@ DTYPE_INDEX = {dt: i for i, dt in enumerate(DTYPES)}
 _OBSERVERS: dict[int, "ModuleObserver"] = {}  # observer id -> observer, for the op
 
 
-
 def _trace_note(ctx: Any) -> None:
     """While Dynamo traces an observed forward (``torch._dynamo.comptime``; never at run time): the
     observer named by the local ``oid`` notes what its traced hooks decided (:func:`.traced_aliases.note`).
