@@ -81,11 +81,11 @@ def _scalar_segments(watch: Any, scale: Optional[torch.Tensor], found: Optional[
     host = watch._reads_free
     loss = step_loss(watch, host)
     if loss is not None:  # where reads are free a float: each op saved is ~15 us of a CPU step
-        segments.append(("loss", loss.item() if host else loss.reshape(1)))
+        segments.append(("loss", loss.item() if host else loss))
     if scale is not None:  # a device tensor, or where reads are free a float
-        segments.append(("scale", scale.reshape(1) if isinstance(scale, torch.Tensor) else scale))
+        segments.append(("scale", scale))
     if found is not None and watch._fused:
-        segments.append(("found_inf", found.reshape(1)))
+        segments.append(("found_inf", found))
     segments.extend(grads.segments(watch.grads))
     for key, value in state.metrics.items():
         if isinstance(value, torch.Tensor):
@@ -170,7 +170,7 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
         values = _host_values(segments)
     elif segments:
         dev = watch._device
-        tensors = [t.to(dev) for _, t in segments]
+        tensors = _one_dimensional([t.to(dev) for _, t in segments])
         if all(t.dtype == torch.float32 for t in tensors):
             # every value is a float32 already (a healthy step's loss, scale and norms): packed as
             # they are, exactly; a cat into float64 needed an output allocated first, at ~3x the host time
@@ -180,6 +180,23 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
             device = torch.cat(tensors, out=torch.empty(offset, dtype=dt, device=dev)).view(torch.uint8)
     return StepScalars(layout, host_metrics, offset * dt.itemsize, dt, scaled=scale is not None,
                        device=device, values=values)
+
+
+def _one_dimensional(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as ``cat`` takes them, in order: 1-d. The 0-d ones next to each other (a step's
+    loss, scale and inf flag: GradScaler's are 0-d) stacked by one op, not a view op each."""
+    out: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+    for t in tensors + [None]:  # type: ignore[list-item]  (None: the end, closing the last run)
+        if t is not None and t.dim() == 0:
+            run.append(t)
+            continue
+        if run:
+            out.append(torch.stack(run) if len(run) > 1 else run[0].reshape(1))
+            run = []
+        if t is not None:
+            out.append(t)
+    return out
 
 
 def extend_scalars(scalars: StepScalars, extra: list[tuple[str, torch.Tensor]]) -> StepScalars:
