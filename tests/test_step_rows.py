@@ -87,6 +87,33 @@ def test_loss_is_the_sum_of_what_the_scaler_saw_or_the_mean_of_logged_losses(tmp
     assert run.info["loss_definition"] == ("logged-mean" if log else "scaled-sum")
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_one_element_loss_of_any_shape_is_recorded_with_its_scale(tmp_path, shape, fused):
+    """The step's pack joins the loss, the scale and (fused) the inf flag: whatever shape the loop's
+    one-element loss has, its row holds that loss and the scale it was scaled by, and recording goes on."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x, y = data(1)
+    losses, scales = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recorder failure warns: it must not
+        with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite")) as watch:
+            for _ in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y).reshape(shape)
+                losses.append(loss.item())
+                scales.append(scaler.get_scale())
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    steps = ampwatch.load(watch.path).steps
+    assert list(steps["loss"]) == pytest.approx(losses, rel=1e-6)
+    assert list(steps["loss_scale"]) == scales
+
+
 def test_grad_norm_is_unscaled_pre_clip_norm(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

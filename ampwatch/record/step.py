@@ -183,20 +183,13 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
 
 
 def _one_dimensional(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` as ``cat`` takes them, in order: 1-d. The 0-d ones next to each other (a step's
-    loss, scale and inf flag: GradScaler's are 0-d) stacked by one op, not a view op each."""
-    out: list[torch.Tensor] = []
-    run: list[torch.Tensor] = []
-    for t in tensors + [None]:  # type: ignore[list-item]  (None: the end, closing the last run)
-        if t is not None and t.dim() == 0:
-            run.append(t)
-            continue
-        if run:
-            out.append(torch.stack(run) if len(run) > 1 else run[0].reshape(1))
-            run = []
-        if t is not None:
-            out.append(t)
-    return out
+    """``tensors`` as ``cat`` takes them, in order: 1-d. The 0-d ones they start with (a step's loss,
+    scale and inf flag: GradScaler's are 0-d) stacked by one op, not a view op each."""
+    head = 0
+    while head < len(tensors) and tensors[head].dim() == 0:
+        head += 1
+    out = [torch.stack(tensors[:head])] if head > 1 else [tensors[0].reshape(1)] if head else []
+    return out + [t if t.dim() == 1 else t.reshape(-1) for t in tensors[head:]]
 
 
 def extend_scalars(scalars: StepScalars, extra: list[tuple[str, torch.Tensor]]) -> StepScalars:
