@@ -186,7 +186,9 @@ def run_variant(variant: str, args: argparse.Namespace, out: str) -> dict[str, t
                "--out", out, "--layer-every", str(args.layer_every), "--healthy", str(args.healthy),
                "--path", args.path]
     command += ["--fused"] * args.fused + ["--bf16"] * args.bf16 + (["--compile", args.compile] if args.compile else [])
-    done = subprocess.run(command, capture_output=True, text=True)
+    # one hash seed for every process: the same dict and set layouts (string keys), so that two runs
+    # of the same code count the same probes
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     found = counts(out, variant)
     if done.returncode != 0 or set(found) != {"observed", "between"}:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
@@ -198,7 +200,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="base,ampwatch", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--layer-every", type=int, default=20, help="ampwatch's option (its default, 20)")
-    ap.add_argument("--healthy", type=int, default=4, help="steps between observed ones to count (their mean)")
+    ap.add_argument("--healthy", type=int, default=None,
+                    help="steps between observed ones to count (their mean; default: the rest of the block, layer_every - 1)")
     ap.add_argument("--path", choices=["accelerator", "cpu"], default="accelerator")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast without a GradScaler")
@@ -207,6 +210,8 @@ def main() -> None:
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.healthy is None:
+        args.healthy = max(1, args.layer_every - 1)
     if args.child:
         child(args)
         return
