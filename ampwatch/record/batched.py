@@ -133,6 +133,8 @@ class BatchedReducer:
 
     def fold_into(self, views: list[torch.Tensor]) -> None:
         """Write the step's maxima into the (S, 2) min/max ``views``, combining with what is there."""
+        if not self._count and not any(self._values):  # a step that observed nothing: most steps
+            return
         self.flush()
         for d, values in enumerate(self._values):
             if not values:

@@ -22,7 +22,7 @@ import torch
 class EarlyFlag:
     """One step's inf flag on its way to the host: :meth:`start` where it is made, :meth:`read`
     once the host must know."""
-    __slots__ = ("_host", "_ready", "_flag", "_check")
+    __slots__ = ("_host", "_ready", "_flag", "_check", "started")
 
     def __init__(self) -> None:
         self.clear()
@@ -32,15 +32,13 @@ class EarlyFlag:
         self._ready: Optional[torch.cuda.Event] = None
         self._flag: Optional[torch.Tensor] = None
         self._check = False
-
-    @property
-    def started(self) -> bool:
-        return self._host is not None or self._flag is not None
+        self.started = False  # a flag is on its way (read() then tells it)
 
     def start(self, flag: torch.Tensor, check: bool = False) -> None:
         """Copy ``flag`` (a 0-d device tensor) to the host behind the work that makes it; no wait.
         ``check``: ``flag`` is a value that is bad where not finite, not a 0/1 flag."""
         self._check = check
+        self.started = True
         if flag.device.type == "cuda":
             self._host = flag.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited on
             self._ready = torch.cuda.Event()

@@ -6,6 +6,7 @@ unless its docstring says so.
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 import sys
@@ -141,7 +142,15 @@ def optimizer_stage_unscaled(scaler: Any, optimizer: Any) -> bool:
     if not states or id(optimizer) not in states:
         return False
     stage = states[id(optimizer)].get("stage")
-    return getattr(stage, "name", str(stage)) in ("UNSCALED", "STEPPED")
+    if not isinstance(stage, enum.Enum):
+        return getattr(stage, "name", str(stage)) in ("UNSCALED", "STEPPED")
+    done = _DONE_STAGES.get(type(stage))
+    if done is None:  # the enum's members by name, once: its ``.name`` is a Python property
+        done = _DONE_STAGES[type(stage)] = tuple(s for s in type(stage) if s.name in ("UNSCALED", "STEPPED"))
+    return stage in done
+
+
+_DONE_STAGES: dict[type, tuple] = {}  # GradScaler's OptState -> its members UNSCALED and STEPPED
 
 
 def run_hook_first(optimizer: Any, handle: Any) -> None:

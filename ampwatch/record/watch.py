@@ -32,7 +32,8 @@ from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
 from . import copies, deferred, fp8, kernelskip, keptweights, replay
-from .observe import ModuleObserver, never_a_frame_of_its_own
+from .dynamo_frames import never_a_frame_of_its_own
+from .observe import ModuleObserver
 from .scaler import ScalerHooks
 from .skipflag import EarlyFlag
 from .step import StepScalars, StepState, pack_scalars, pack_step
@@ -689,7 +690,8 @@ class Watch:
         if self.writer.failure is not None:
             raise RuntimeError(f"writer failed: {self.writer.failure}")
         self.step += 1
-        self._skip_flag.clear()  # an unscale_ without scaler.step() left one behind
+        if self._skip_flag.started:  # an unscale_ without scaler.step() left one behind
+            self._skip_flag.clear()
         if self.fp8 is not None and self._detail_step():
             self.fp8.arm()
         self._clip_norms_expected = self._clip_norms_taken and not self._clip_norms_refused
