@@ -28,7 +28,6 @@ import torch
 
 from . import torch_access
 from .copies import ours
-from .dynamo_frames import eager_hook
 
 
 def grad_outputs_of(obj: Any) -> Iterator[torch.Tensor]:
@@ -58,7 +57,7 @@ class BackwardEnd:
         self.ends_needed = True
         # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would make a
         # graph of this one: kept eager (it sees real output tensors)
-        self.handles: list[Any] = [model.register_forward_hook(ours(eager_hook(self._on_output)))]
+        self.handles: list[Any] = [model.register_forward_hook(ours(torch._dynamo.disable(self._on_output)))]
         counted = next((p for p in params if p.requires_grad), None)
         by_parameter = counted is not None and hasattr(counted, "register_post_accumulate_grad_hook")
         if by_parameter:

@@ -65,7 +65,6 @@ from . import torch_access, traced_aliases
 from .batched import BatchedReducer
 from .compiled import CompiledBlocks, GraphSplit
 from .copies import ours
-from .dynamo_frames import eager_hook, never_a_frame_of_its_own
 from .hoststats import HostQueue, HostStats
 from .slots import DTYPE_NAMES, GIN, GOUT, IN, OUT, ROLES
 
@@ -384,7 +383,7 @@ class ModuleObserver:
             if index == 0:
                 # torch.compile(model) runs the root's own hooks outside its graph, where Dynamo would
                 # compile each as a graph of its own: keep them eager (they see no traced tensors)
-                after = eager_hook(after)
+                after = torch._dynamo.disable(after)
             self._hook(index, False, after)
             if index == 0 or getattr(module, "inplace", False) is True:
                 self._add_pre_hook(index)
@@ -403,7 +402,7 @@ class ModuleObserver:
     def _add_pre_hook(self, index: int) -> None:
         before: Any = self._before_hook
         if index == 0:
-            before = eager_hook(before)
+            before = torch._dynamo.disable(before)
         self._hook(index, True, before)
         self._pre.add(index)
 
@@ -922,6 +921,25 @@ class ModuleObserver:
                 self._batch.flush()
         except Exception as exc:  # recording must never take training down
             self._failed(exc)
+
+
+def never_a_frame_of_its_own(*functions: Any) -> None:
+    """Dynamo compiles every Python frame that runs while a compiled module is called, hooks
+    included. A model with graph breaks of its own runs the modules around a break eagerly, and
+    their hooks would then be compiled as frames of their own: once per module (Dynamo
+    specializes on the module and its index), up to its recompile limit, each call then a graph of
+    its own (+80 ms a step on GPT-2 small's tree). Skipping their code, and the frames it calls,
+    at frame level keeps them eager there; inlined into a module's compiled forward (no frame of
+    their own) they are still traced."""
+    try:  # torch >= 2.6: the frame and every frame it calls
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        for fn in functions:
+            set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError):  # older torch: the frame alone, where it can
+        skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+        for fn in functions if skip_code is not None else ():
+            skip_code(fn.__code__)
 
 
 def _hooks(key: int) -> tuple[Any, Any]:

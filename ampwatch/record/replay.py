@@ -44,7 +44,6 @@ import torch
 from . import torch_access
 from .compiled import run_eagerly
 from .copies import ours
-from .dynamo_frames import eager_hook
 from .observe import add_grad_hook
 from .recompute import autocast_state
 
@@ -125,8 +124,8 @@ class Replayer:
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
         # kept eager under torch.compile(model): the root's hooks run outside its graph
         self._handles = [
-            root.register_forward_pre_hook(ours(eager_hook(self._keep)), with_kwargs=True),
-            root.register_forward_hook(ours(eager_hook(self._outputs)), with_kwargs=True),
+            root.register_forward_pre_hook(ours(torch._dynamo.disable(self._keep)), with_kwargs=True),
+            root.register_forward_hook(ours(torch._dynamo.disable(self._outputs)), with_kwargs=True),
         ]
 
     def _rng(self) -> tuple:

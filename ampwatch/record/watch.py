@@ -32,8 +32,7 @@ from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
 from . import copies, deferred, fp8, kernelskip, keptweights, replay
-from .dynamo_frames import never_a_frame_of_its_own
-from .observe import ModuleObserver
+from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .skipflag import EarlyFlag
 from .step import StepScalars, StepState, pack_scalars, pack_step
