@@ -148,7 +148,7 @@ def settle(watch: Any) -> None:
     its check was bad (if the replay fails, the pack goes as it is, its skip or non-finite values
     still recorded, and the error is raised)."""
     held, watch._held = watch._held, None
-    if not held.flag.read():  # sync point, where the device has usually passed it long ago
+    if not held.flag.read(again=False):  # sync point, where the device has usually passed it long ago
         watch.writer.put_step(held.pack)
         return
     try:

@@ -22,7 +22,7 @@ import torch
 class EarlyFlag:
     """One step's inf flag on its way to the host: :meth:`start` where it is made, :meth:`read`
     once the host must know."""
-    __slots__ = ("_host", "_ready", "_flag", "_check", "started")
+    __slots__ = ("_host", "_ready", "_flag", "_check", "started", "found")
 
     def __init__(self) -> None:
         self.clear()
@@ -33,12 +33,14 @@ class EarlyFlag:
         self._flag: Optional[torch.Tensor] = None
         self._check = False
         self.started = False  # a flag is on its way (read() then tells it)
+        self.found: Optional[torch.Tensor] = None  # the scaler's inf flag it started from (no check)
 
     def start(self, flag: torch.Tensor, check: bool = False) -> None:
         """Copy ``flag`` (a 0-d device tensor) to the host behind the work that makes it; no wait.
         ``check``: ``flag`` is a value that is bad where not finite, not a 0/1 flag."""
         self._check = check
         self.started = True
+        self.found = None if check else flag
         if flag.device.type == "cuda":
             self._host = flag.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited on
             self._ready = torch.cuda.Event()
@@ -46,8 +48,9 @@ class EarlyFlag:
         else:  # other devices have no event API we rely on: read where it stands, in read()
             self._flag = flag
 
-    def read(self) -> Optional[bool]:
-        """Whether the flag was set (the step skipped), or None when none was started."""
+    def read(self, again: bool = True) -> Optional[bool]:
+        """Whether the flag was set (the step skipped), or None when none was started. ``again``:
+        cleared for another start (False: read once, then dropped)."""
         if self._ready is not None:
             if not self._ready.query():  # read a step late (deferred.py), the copy is usually done
                 self._ready.synchronize()  # sync point: only as far as the flag, not the optimizer's kernel
@@ -57,5 +60,6 @@ class EarlyFlag:
         else:
             return None
         bad = not math.isfinite(value) if self._check else bool(value)
-        self.clear()
+        if again:
+            self.clear()
         return bad

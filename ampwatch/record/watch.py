@@ -445,7 +445,11 @@ class Watch:
     def after_scaler_step(self) -> None:
         skipped = torch_access.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
         if self._replays_fused_skips():
-            flag = self._fused_found = torch_access.found_inf(self.scaler, self.optimizer)
+            # the flag sent to the host where it was made (unscale_, or the optimizer's step) is
+            # this step's: not looked up again
+            started = self._skip_flag.found
+            flag = self._fused_found = started if started is not None else \
+                torch_access.found_inf(self.scaler, self.optimizer)
             if deferred.may_hold(self) and torch_access.scaler_enabled(self.scaler):
                 # read at the next step's optimizer step instead, where the device is long past it
                 if not self._skip_flag.started and flag is not None:
