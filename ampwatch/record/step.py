@@ -183,13 +183,10 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
 
 
 def _one_dimensional(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` as ``cat`` takes them, in order: 1-d. The 0-d ones they start with (a step's loss,
-    scale and inf flag: GradScaler's are 0-d) stacked by one op, not a view op each."""
-    head = 0
-    while head < len(tensors) and tensors[head].dim() == 0:
-        head += 1
-    out = [torch.stack(tensors[:head])] if head > 1 else [tensors[0].reshape(1)] if head else []
-    return out + [t if t.dim() == 1 else t.reshape(-1) for t in tensors[head:]]
+    """``tensors`` as ``cat`` takes them, in order: 1-d, by a view where they are not (a step's loss,
+    scale and inf flag: GradScaler's are 0-d). A view is host work only; stacking the 0-d ones
+    would be one launch more on the device (``bench/ops.py``)."""
+    return [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
 
 
 def extend_scalars(scalars: StepScalars, extra: list[tuple[str, torch.Tensor]]) -> StepScalars:

@@ -401,8 +401,8 @@ def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch
         amax = torch.stack(max_abs_each(grads)).float()
         nonzero = torch.stack(torch._foreach_norm(grads, 0, dtype=torch.float32))
         pnorm = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-        rows = torch.stack([amax, torch.full_like(amax, -1.0), torch.full_like(amax, -1.0),
-                            _element_counts(grads, device) - nonzero, pnorm], dim=1)
+        unknown = torch.full_like(amax, -1.0)
+        rows = torch.stack([amax, unknown, unknown, _element_counts(grads, device) - nonzero, pnorm], dim=1)
         return rows.to(out_device, dtype, non_blocking=True)
 
 
