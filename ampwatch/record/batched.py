@@ -66,7 +66,7 @@ class BatchedReducer:
         self._pending_slots[d].append(slot)
         self._versions[d].append(t._version)
         self._count += 1
-        self._bytes += t.numel() * t.element_size()
+        self._bytes += t.nbytes
         if self._count >= CHUNK or self._bytes >= CHUNK_BYTES:
             self.flush()
 
@@ -116,14 +116,15 @@ class BatchedReducer:
             if not tensors:
                 continue
             slots, versions = self._pending_slots[d], self._versions[d]
-            for t, slot, v in zip(tensors, slots, versions):
-                if t._version != v:
-                    # changed in place since it was observed: its value now is what the modules
-                    # that read it later saw, not what its own module made (``changed``: the origin
-                    # analysis does not hold it against that module), and from now on the slot is
-                    # reduced at once
-                    self.changed.add(slot)
-                    self.volatile.add(slot)
+            if [t._version for t in tensors] != versions:  # one comparison for the usual chunk
+                for t, slot, v in zip(tensors, slots, versions):
+                    if t._version != v:
+                        # changed in place since it was observed: its value now is what the modules
+                        # that read it later saw, not what its own module made (``changed``: the
+                        # origin analysis does not hold it against that module), and from now on
+                        # the slot is reduced at once
+                        self.changed.add(slot)
+                        self.volatile.add(slot)
             self._values[d].extend(max_abs_each(tensors))
             self._slots[d].extend(slots)
             tensors.clear()
@@ -131,8 +132,10 @@ class BatchedReducer:
             versions.clear()
         self._count = self._bytes = 0
 
-    def fold_into(self, views: list[torch.Tensor]) -> None:
-        """Write the step's maxima into the (S, 2) min/max ``views``, combining with what is there."""
+    def fold_into(self, views: list[torch.Tensor], traced: bool = False) -> None:
+        """Write the step's maxima into the (S, 2) min/max ``views``, combining with what is there.
+        ``traced``: compiled graphs may have handed some out joined (1-d, :meth:`join_traced`);
+        otherwise every value is 0-d (a chunk's, a kept gradient's), not asked one by one."""
         if not self._count and not any(self._values):  # a step that observed nothing: most steps
             return
         self.flush()
@@ -149,7 +152,7 @@ class BatchedReducer:
             view = views[d]
             if len(values) == 1:  # one value, or the maxima a compiled forward joined (join_traced)
                 amax = values[0].reshape(-1)
-            elif all(v.dim() == 0 for v in values):
+            elif not traced or all(v.dim() == 0 for v in values):
                 amax = torch.stack(values)
             else:
                 amax = torch.cat([v.reshape(-1) for v in values])

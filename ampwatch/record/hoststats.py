@@ -114,7 +114,7 @@ class HostQueue:
         """Forget what is pending, unreduced: its values are not needed (see ``observe``)."""
         self._pending, self._bytes = [], 0
 
-    def fold_into(self, views: Any) -> None:
+    def fold_into(self, views: Any, traced: bool = False) -> None:
         self.flush()  # the stats are the host array itself
 
     clear = drop  # the observer's remove(): nothing else is held between flushes

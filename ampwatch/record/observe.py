@@ -313,6 +313,7 @@ class ModuleObserver:
         self.types: list[str] = []
         self._handles: list[Any] = []
         self._handle_modules: list[int] = []  # the module index of each of _handles
+        self._entries: Optional[list] = None  # the dict entries of _handles (torch_access.hook_entries)
         modules = []
         seen: set[int] = set()
         for name, module in model.named_modules():
@@ -403,6 +404,7 @@ class ModuleObserver:
             return
         self._handles.append(handle)
         self._handle_modules.append(index)
+        self._entries = None
 
     def _add_pre_hook(self, index: int) -> None:
         before: Any = self._before_hook
@@ -429,11 +431,12 @@ class ModuleObserver:
         self._hooked = on
         if on:  # the entries taken out last time, put back as they were
             self._leave_compiled_blocks()
-            for taken in self._taken:
-                torch_access.rehook(taken)
+            torch_access.rehook(self._taken)
             self._taken = []
         else:
-            self._taken = [torch_access.unhook(handle) for handle in self._handles]
+            if self._entries is None:
+                self._entries = torch_access.hook_entries(self._handles)
+            self._taken = torch_access.unhook(self._entries)
 
     def _leave_compiled_blocks(self) -> None:
         """Take out for good the hooks of modules inside blocks compiled since attach
@@ -452,9 +455,11 @@ class ModuleObserver:
         if len(kept) == len(self._handles):
             return
         if not self._hooked:
-            self._taken = [self._taken[i] for i in kept]
+            kept_keys = {self._handles[i].id for i in kept}
+            self._taken = [entry for entry in self._taken if entry[1] in kept_keys]
         self._handles = [self._handles[i] for i in kept]
         self._handle_modules = [self._handle_modules[i] for i in kept]
+        self._entries = None
 
     def _is_observed(self, module: torch.nn.Module) -> bool:
         return id(module) in self._index_of
@@ -553,7 +558,7 @@ class ModuleObserver:
 
     def _settle(self) -> None:
         """Reduce what is pending and bring it into the stats (the device buffer, or the host's)."""
-        self._batch.fold_into(self._views)
+        self._batch.fold_into(self._views, self.traced)
 
     def take(self) -> dict:
         """The step's structure for the host (the stats themselves travel in the step's buffer)."""
@@ -693,6 +698,7 @@ class ModuleObserver:
             handle.remove()
         self._handles.clear()
         self._handle_modules.clear()
+        self._entries = None
 
     # -- observation -------------------------------------------------------------------------------
     def _finish_traced(self) -> None:
