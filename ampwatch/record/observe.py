@@ -528,7 +528,13 @@ class ModuleObserver:
                     self._broken.add(key)
             if slot in self._targets:  # another slot's alias points here: note this step's tensor
                 self._held[slot] = weakref.ref(t)
-        bad = self._write(t, slot)
+        batch = self._batch
+        if type(t) is torch.Tensor and slot not in batch.volatile:  # _write's usual case, without its frame
+            self._wrote = True
+            batch.add(DTYPE_INDEX[t.dtype], t, slot)
+            bad = False
+        else:
+            bad = self._write(t, slot)
         if grad and t.requires_grad:  # IN -> GIN, OUT -> GOUT
             hook = self._grad_hooks.get(slot)
             if hook is None:
@@ -820,7 +826,12 @@ class ModuleObserver:
                     torch.ops.ampwatch.observe([grad.detach()], self._id, [slot])
                 return
             try:
-                self._write(grad, slot)
+                batch = self._batch
+                if type(grad) is torch.Tensor and slot not in batch.volatile:  # as in _observe
+                    self._wrote = True
+                    batch.add(DTYPE_INDEX[grad.dtype], grad, slot)
+                else:
+                    self._write(grad, slot)
             except Exception as exc:
                 self._failed(exc)
 
@@ -868,8 +879,8 @@ class ModuleObserver:
 
     def _after(self, index: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         """Every module's forward hook: its inputs (unless a pre-hook saw them) and its outputs.
-        Eager, one Python frame per module call plus two per observed tensor (``_observe``,
-        ``_write``): this runs for every module of every step."""
+        Eager, one Python frame per module call plus two per observed tensor (``_observe``, the
+        queue's ``add``): this runs for every module of every observed step."""
         if not (self.active and module.training):
             return
         if _compiling():
