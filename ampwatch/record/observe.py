@@ -305,6 +305,11 @@ def all_finite(raw: torch.Tensor, slots: int, host: bool = False) -> bool:
 _SIGN = {dt: torch.tensor([-1.0, 1.0], dtype=dt) for dt in DTYPES}
 
 
+# take()'s answer for a step that observed nothing (its values are read only where "observed")
+_QUIET_STEP = {"aliases": {}, "order": None, "counts": {}, "changed": frozenset(), "observed": False,
+               "micro_batches": 0, "first": False, "fp32": {}, "lowp": {}}
+
+
 class ModuleObserver:
     """Hooks every module of ``model``; the stats buffer and the learned structure live here."""
 
@@ -426,6 +431,8 @@ class ModuleObserver:
         the hooks compiled once, on the first observed step)."""
         self.observing = on
         self._split.set(on and self.active)
+        if on:
+            self._quiet = False
         if not self.active or on == self._hooked:
             return
         self._hooked = on
@@ -561,6 +568,9 @@ class ModuleObserver:
         self.fp32_amax: dict[int, Optional[float]] = {}  # the counterfactual's answer (module -> amax)
         self.lowp_amax: dict[int, Optional[float]] = {}  # the same, re-run in the call's own dtypes
         self.fp32_checked = False
+        # the hooks are out as this step begins: while no set_observing(True) puts them back (a
+        # layer_every step, a replay), nothing observes anything this step (take)
+        self._quiet = not self._hooked
 
     def _settle(self) -> None:
         """Reduce what is pending and bring it into the stats (the device buffer, or the host's)."""
@@ -568,6 +578,14 @@ class ModuleObserver:
 
     def take(self) -> dict:
         """The step's structure for the host (the stats themselves travel in the step's buffer)."""
+        if self._quiet and not self._hooked:
+            # the hooks were out for the whole step (most steps between layer_every ones, replay
+            # on): nothing touched the step's state, which stays as _new_step left it
+            if self.keeper is not None:
+                self.keeper.clear()
+            if self._trace_dedupe and not self._trace_dedupe_next:
+                self._trace_dedupe, self._traced_aliases = False, {}
+            return dict(_QUIET_STEP)
         self._settle()
         if self._learning and self._calls:
             self.order = list(dict.fromkeys(self._finish))
