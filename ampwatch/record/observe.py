@@ -924,11 +924,7 @@ class ModuleObserver:
                 # returns, except across a graph break inside the model, where Dynamo hands it
                 # from graph to graph as it stood: emptied here, so no step sees another's
                 self._trace_seen.clear()
-            # tensor_list's and _inputs' usual case (one plain tensor) inline: a frame less each
-            if type(output) is torch.Tensor:
-                outputs = [output] if output.dtype in DTYPE_INDEX and output.numel() > 0 else []
-            else:
-                outputs = tensor_list(output)
+            outputs = tensor_list(output)
             self._calls += 1
             learning = self._learning
             tensors = None
@@ -938,11 +934,7 @@ class ModuleObserver:
                     self.keeper.keep(index, args, kwargs, _inputs(args, kwargs))
             else:
                 call = self._call_of[index] = self._call_of.get(index, -1) + 1
-                if len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
-                    x = args[0]
-                    tensors = [x] if x.dtype in DTYPE_INDEX and x.numel() > 0 else []
-                else:
-                    tensors = _inputs(args, kwargs)
+                tensors = _inputs(args, kwargs)
                 if self.keeper is not None:
                     self.keeper.keep(index, args, kwargs, tensors)
                 for pos, t in enumerate(tensors):
