@@ -347,3 +347,42 @@ def test_multi_row_inserts_equal_executemany(tmp_path, monkeypatch, per):
         for sql in read:
             assert a.execute(sql).fetchall() == b.execute(sql).fetchall()
         assert a.execute("SELECT count(*) FROM layers").fetchone()[0] < len(layers)  # some rows replaced others
+
+
+_CONNECTS: list = []  # (database, whether the run path existed then) while a test listens
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "sqlite3.connect" and _CONNECTS and _CONNECTS[0] is not None:
+        _CONNECTS.append((str(args[0]), os.path.exists(_CONNECTS[0])))
+
+
+def test_a_run_file_appears_whole_never_empty_and_a_failed_creation_leaves_nothing(tmp_path):
+    """A reader polling a folder (a live dashboard) must never open a run being created: SQLite
+    creates its file empty on connect, so the file is made under another name and renamed into
+    place. Python's audit events tell which file each ``sqlite3.connect`` opened, and whether the
+    run's path existed at that moment. A creation that fails leaves neither the run nor its
+    temporary file behind."""
+    from ampwatch.store.writer import create_run_file
+    path = tmp_path / "run.sqlite"
+    if not getattr(sys, "_ampwatch_audit", False):  # an audit hook cannot be removed: one per process
+        sys.addaudithook(_audit)
+        sys._ampwatch_audit = True
+    _CONNECTS[:] = [str(path)]
+    try:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with ampwatch.attach(model, opt, torch.amp.GradScaler("cpu"), path=str(path)):
+            made = list(_CONNECTS[1:])
+    finally:
+        _CONNECTS[:] = [None]
+    creating = [(db, existed) for db, existed in made if db != str(path) and "making" in db]
+    assert len(creating) == 1 and creating[0][1] is False, made  # made elsewhere while the path did not exist
+    assert all(db != str(path) for db, _ in made[:made.index(creating[0]) + 1]), made
+    assert ampwatch.load(path).info["status"] == "finished"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.sqlite"]  # nothing else left beside it
+
+    bad = tmp_path / "bad.sqlite"
+    with pytest.raises(sqlite3.Error):  # a name table that breaks its insert (no such column)
+        create_run_file(str(bad), {"name": "b", "status": "running"}, [{"no_such_column": 1}])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.sqlite"]

@@ -85,21 +85,32 @@ _INSERTS = {table: _statement(verb, table, columns, 1) for table, (verb, columns
 
 def create_run_file(path: str, info: dict[str, Any], tensors: list[dict[str, Any]]) -> None:
     """Create the file with its schema, run row and name tables. Runs on the caller's thread so
-    an unwritable location is reported at attach time."""
-    conn = sqlite3.connect(path)
+    an unwritable location is reported at attach time. Made whole under a name of its own beside
+    ``path`` and renamed into place: a reader polling the folder (a live dashboard, ``ampwatch
+    summary``) never opens it empty or half made (SQLite creates the file empty on connect)."""
+    making = f"{path}.{os.getpid()}-{threading.get_ident()}.making"  # no run suffix: no reader lists it
     try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        db = Database(conn)
-        schema.create(db)
-        row = dict(info)
-        row["config_json"] = json.dumps(row.pop("config", None) or {}, default=str, sort_keys=True)
-        row["id"] = 1
-        db["run"].insert(row)
-        if tensors:
-            db["tensors"].insert_all(tensors)
-        conn.commit()
+        conn = sqlite3.connect(making)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            db = Database(conn)
+            schema.create(db)
+            row = dict(info)
+            row["config_json"] = json.dumps(row.pop("config", None) or {}, default=str, sort_keys=True)
+            row["id"] = 1
+            db["run"].insert(row)
+            if tensors:
+                db["tensors"].insert_all(tensors)
+            conn.commit()
+        finally:
+            conn.close()  # the last connection: SQLite folds the WAL into the file and removes it
+        os.replace(making, path)
     finally:
-        conn.close()
+        for suffix in ("", "-wal", "-shm", "-journal"):  # left only where something failed
+            try:
+                os.unlink(making + suffix)
+            except FileNotFoundError:
+                pass
 
 
 class RunWriter:
