@@ -44,8 +44,12 @@ class BackwardEnd:
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.Tensor],
-                 started: Callable[[], None], ended: Callable[[], None]) -> None:
+                 started: Callable[[], None], ended: Callable[[], None],
+                 outputs: Optional[Callable[[Any, Any], None]] = None) -> None:
         self._started, self._ended = started, ended
+        # another listener to the root's outputs (the replayer's), called first from the same hook:
+        # a second root hook would cost its own Dynamo-disabled wrapper on every forward
+        self._outputs = outputs
         self._queued: Optional[int] = None  # backward pass whose end is queued (-1: id unknown)
         self._active = True
         self._fired = False        # a pass was seen this step
@@ -87,6 +91,8 @@ class BackwardEnd:
         self._fired = self._param_fired = False
 
     def _on_output(self, module: Any, args: Any, output: Any) -> None:
+        if self._outputs is not None:
+            self._outputs(module, output)  # never raises
         if not (self._active and torch.is_grad_enabled()):
             return
         self._queued = None  # a new forward: a pass that died mid-way queues nothing any more

@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 import torch
 
+from .torch_access import dynamo_compiling
+
 # (module, attribute) pairs wrapped while a watch listens; missing ones are skipped.
 _TARGETS = (
     ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"),
@@ -75,7 +77,7 @@ def _wrap(original: Callable) -> Callable:
     def clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
         # a clip inside a compiled function is not listened to: telling a listener would break
         # the graph (the writer's queue takes a lock); the threshold then comes from the config
-        if _listeners and not torch.compiler.is_compiling():
+        if _listeners and not dynamo_compiling():
             seen = parameters
             if not isinstance(parameters, (torch.Tensor, list, tuple)):
                 # a generator (model.parameters()) must survive being looked at: listeners only
@@ -93,7 +95,7 @@ def _wrap(original: Callable) -> Callable:
 def _wrap_total_norm(original: Callable) -> Callable:
     @functools.wraps(original)
     def total_norm(tensors: Any, norm_type: Any = 2.0, *args: Any, **kwargs: Any) -> Any:
-        if not _listeners or torch.compiler.is_compiling() or not _is_l2(norm_type):
+        if not _listeners or dynamo_compiling() or not _is_l2(norm_type):
             return original(tensors, norm_type, *args, **kwargs)
         real_norm, real_stack = getattr(torch, "_foreach_norm", None), torch.stack
         if real_norm is None or not _swap.acquire(blocking=False):

@@ -143,11 +143,16 @@ def _nothing() -> None:
 
 
 def _cache_entries(code: Any) -> int:
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:  # pragma: no cover - very old torch: assume graphs exist
-        return 1
-    return len(_debug_get_cache_entry_list(code))
+    global _entry_list
+    if _entry_list is None:  # looked up once: this runs for each of the model's forwards, twice a block
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list as _entry_list
+        except ImportError:  # pragma: no cover - very old torch: assume graphs exist
+            return 1
+    return len(_entry_list(code))
+
+
+_entry_list: Any = None  # torch._dynamo.eval_frame._debug_get_cache_entry_list, once imported
 
 
 class GraphSplit:

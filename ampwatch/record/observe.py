@@ -194,13 +194,7 @@ _keep_in_graphs(torch.ops.ampwatch.observe.default)
 _keep_in_graphs(torch.ops.ampwatch.keep_max.default)
 
 
-# Bound once (a Python frame less per hook call); Dynamo knows the function and folds it to True.
-# ``is_dynamo_compiling`` (torch >= 2.3) is a bare ``return False`` in eager, where ``is_compiling``
-# also asks ``torch.jit.is_scripting()``: two Python frames where one does, in every module's hook and
-# every gradient hook of an observed eager step (~300 calls on GPT-2 small's). Dynamo's traces, the
-# backward's hooks included (tests/test_compile.py), take the compiled branch; a trace that is not
-# Dynamo's (a non-strict ``torch.export``) runs the hooks as eager code, as it runs the model's.
-_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling
+_compiling = torch_access.dynamo_compiling  # a module global: one lookup in each hook call
 
 
 def nested_tensors_of(obj: Any) -> Iterator[torch.Tensor]:

@@ -47,34 +47,53 @@ class ScalerHooks:
         self._patched.clear()
         self._wrappers.clear()
 
-    def _live(self) -> bool:
-        return not (self.watch._failed or self.watch.closed)
-
+    # Each wrapper guards the watch's call itself (as Watch.call_guarded would): these run on every
+    # step, and a frame for the check and one for the guard cost more than the call they guard
     def _scale(self, original: Any, outputs: Any) -> Any:
-        if isinstance(outputs, torch.Tensor) and self._live():
-            self.watch.on_scale(outputs)
+        watch = self.watch
+        if isinstance(outputs, torch.Tensor) and not (watch._failed or watch.closed):
+            watch.on_scale(outputs)  # appends to a list and counts: cannot fail
         return original(outputs)
 
     def _unscale_(self, original: Any, optimizer: Any) -> None:
         original(optimizer)
-        if optimizer is self.watch.optimizer and self._live():
-            self.watch.call_guarded(self.watch.on_unscaled, self.inside_step)
+        watch = self.watch
+        if optimizer is watch.optimizer and not (watch._failed or watch.closed):
+            try:
+                watch.on_unscaled(self.inside_step)
+            except Exception as exc:
+                watch._fail(exc)
 
     def _step(self, original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        ours = optimizer is self.watch.optimizer and self._live()
+        watch = self.watch
+        ours = optimizer is watch.optimizer and not (watch._failed or watch.closed)
         if ours:
-            self.watch.call_guarded(self.watch.before_scaler_step)
+            try:
+                watch.before_scaler_step()
+            except Exception as exc:
+                watch._fail(exc)
         self.inside_step = ours
         try:
             result = original(optimizer, *args, **kwargs)
         finally:
             self.inside_step = False
-        if ours:
-            self.watch.call_guarded(self.watch.after_scaler_step)
+        if ours and not (watch._failed or watch.closed):
+            try:
+                watch.after_scaler_step()
+            except Exception as exc:
+                watch._fail(exc)
         return result
 
     def _update(self, original: Any, new_scale: Any = None) -> None:
-        before = self.watch.call_guarded(self.watch.before_update) if self._live() else None
+        watch, before = self.watch, None
+        if not (watch._failed or watch.closed):
+            try:
+                before = watch.before_update()
+            except Exception as exc:
+                watch._fail(exc)
         original(new_scale)
-        if before is not None:
-            self.watch.call_guarded(self.watch.end_step, *before)
+        if before is not None and not (watch._failed or watch.closed):
+            try:
+                watch.end_step(*before)
+            except Exception as exc:
+                watch._fail(exc)

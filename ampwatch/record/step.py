@@ -14,7 +14,7 @@ in-place change of the scale would otherwise need a copy of it first, and the st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -23,21 +23,21 @@ from . import grads, torch_access
 from .packing import StepPack
 
 
-@dataclass
 class StepState:
-    """What the hooks collect during one optimizer step (host-side, no device values read)."""
-    started: float
-    previous: Optional["StepState"] = None
-    losses: list = field(default_factory=list)          # what scaler.scale() saw (summed)
-    logged_losses: list = field(default_factory=list)   # watch.log(loss=...): wins over the above
-    metrics: dict = field(default_factory=dict)
-    scale_calls: int = 0
-    backwards: int = 0
-    stepped: bool = False         # optimizer.step() ran
-    scaler_stepped: bool = False  # scaler.step() ran (update() closes the step)
+    """What the hooks collect during one optimizer step (host-side, no device values read). A plain
+    class with slots: one is made per step, and a dataclass's default factories cost a call each."""
+    __slots__ = ("started", "losses", "logged_losses", "metrics", "scale_calls", "backwards", "stepped",
+                 "scaler_stepped")
 
-    def __post_init__(self) -> None:
-        self.previous = None  # keep no chain of old steps alive
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.losses: list = []          # what scaler.scale() saw (summed)
+        self.logged_losses: list = []   # watch.log(loss=...): wins over the above
+        self.metrics: dict = {}
+        self.scale_calls = 0
+        self.backwards = 0
+        self.stepped = False            # optimizer.step() ran
+        self.scaler_stepped = False     # scaler.step() ran (update() closes the step)
 
 
 def _transfer(flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any]:

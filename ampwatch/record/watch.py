@@ -72,6 +72,9 @@ class Watch:
         self._open_mirror = open_mirror  # how to reach a tracker: given by ampwatch.attach (a face)
         self.options = resolve(options)
         self.model, self.optimizer, self.scaler = model, _unwrap_optimizer(optimizer), scaler
+        # whether the scaler scales (GradScaler(enabled=False) does not): asked again once a step,
+        # at its end, not at each of the ~7 places a step needs it (two frames each)
+        self._scaling = torch_access.scaler_enabled(scaler)
         self.closed = False
         self._failed = False
         self._bad_log_keys: set[str] = set()  # watch.log keys already warned about
@@ -207,7 +210,8 @@ class Watch:
         self._probes = [m.register_forward_pre_hook(probe) for m, probe in zip(looking, probes_)]
         self._probe_objects = probes_
         self._trigger = BackwardEnd(model, self._params, self.guarded(self._on_backward),
-                                    self.guarded(self._on_backward_end))
+                                    self.guarded(self._on_backward_end),
+                                    self.replayer.outputs if self.replayer is not None else None)
         if self._scaler_hooks is not None:
             self._scaler_hooks.install()
         clipping.listen(self)
@@ -283,7 +287,12 @@ class Watch:
 
     def on_clip(self, parameters: Any, max_norm: Any) -> None:
         """clipwatch: a clip call on (some of) our parameters; remember its threshold. No sync."""
-        self.call_guarded(self._on_clip, parameters, max_norm)  # inside the user's clip call: never raises
+        if self._failed or self.closed:  # as call_guarded, without its frame: on every clip call
+            return
+        try:  # inside the user's clip call: never raises
+            self._on_clip(parameters, max_norm)
+        except Exception as exc:
+            self._fail(exc)
 
     def _on_clip(self, parameters: Any, max_norm: Any) -> None:
         first = parameters if isinstance(parameters, torch.Tensor) else next(iter(parameters), None)
@@ -308,7 +317,12 @@ class Watch:
         """The per-gradient norms a clip computed (clipping.py; ``vector``: the same stacked, or
         None): this step's norms, if they are exactly ours (every gradient of ours, float32 plain
         tensors on our device). No sync."""
-        self.call_guarded(self._on_clip_norms, tensors, norms, vector)
+        if self._failed or self.closed:  # as call_guarded, without its frame: on every clipped step
+            return
+        try:
+            self._on_clip_norms(tensors, norms, vector)
+        except Exception as exc:
+            self._fail(exc)
 
     def _on_clip_norms(self, tensors: list, norms: list, vector: Optional[torch.Tensor]) -> None:
         if self._reads_free or self._clip_norms_refused or not tensors:
@@ -328,8 +342,7 @@ class Watch:
         if self.grads.norms is not None:
             return  # measured at backward end (the first clipped step, or after a mismatch)
         inv_scale = None
-        if (self.scaler is not None and torch_access.scaler_enabled(self.scaler)
-                and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer)):
+        if self._scaling and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer):
             # clipped before unscale_: the norms still carry the scale
             inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
             if inv_scale is None:
@@ -369,7 +382,7 @@ class Watch:
         if self._clip_norms_expected:
             self.grads.reset()  # the user's clip measures them before the step: taken from it
             return
-        scaling = self.scaler is not None and torch_access.scaler_enabled(self.scaler)
+        scaling = self._scaling
         if scaling and torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer):
             return  # backward after unscale_ (unusual): leave it to the step-time measurement
         inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads) if scaling else None
@@ -421,7 +434,7 @@ class Watch:
             self.end_step()
         self.state.scaler_stepped = True
         self._fused_inv_scale = self._fused_found = None
-        if (self._fused and torch_access.scaler_enabled(self.scaler)
+        if (self._fused and self._scaling
                 and not torch_access.optimizer_stage_unscaled(self.scaler, self.optimizer)):
             # Fused kernels unscale internally: our grads are still scaled, so divide the norms.
             inv_scale = torch_access.inverse_scale(self.scaler, self._reads_free, self._scale_reads)
@@ -436,21 +449,20 @@ class Watch:
         """Where a fused step's inf flag is made (unscale_ returned, or the optimizer's step begins):
         send it to the host now, so that its read (after_scaler_step, or a step late: deferred.py)
         waits for it and not for the optimizer."""
-        if (self._replays_fused_skips() and not self._skip_flag.started
-                and torch_access.scaler_enabled(self.scaler)):
+        if self._scaling and not self._skip_flag.started and self._replays_fused_skips():
             flag = torch_access.found_inf(self.scaler, self.optimizer)
             if flag is not None:
                 self._skip_flag.start(flag)
 
     def after_scaler_step(self) -> None:
-        skipped = torch_access.scaler_enabled(self.scaler) and not self._fused and not self.state.stepped
+        skipped = self._scaling and not self._fused and not self.state.stepped
         if self._replays_fused_skips():
             # the flag sent to the host where it was made (unscale_, or the optimizer's step) is
             # this step's: not looked up again
             started = self._skip_flag.found
             flag = self._fused_found = started if started is not None else \
                 torch_access.found_inf(self.scaler, self.optimizer)
-            if deferred.may_hold(self) and torch_access.scaler_enabled(self.scaler):
+            if deferred.may_hold(self) and self._scaling:
                 # read at the next step's optimizer step instead, where the device is long past it
                 if not self._skip_flag.started and flag is not None:
                     self._skip_flag.start(flag)
@@ -520,7 +532,7 @@ class Watch:
         for :meth:`end_step` once ``update()`` returned, or None when no step is open."""
         if not self.state.scaler_stepped:
             return None
-        if not torch_access.scaler_enabled(self.scaler):
+        if not self._scaling:
             return (self._take_early_scalars(),)
         # the scale this step's grads carried, and with fused optimizers the inf flags: device
         # tensors, copied into the pack by its one cat, no sync
@@ -550,8 +562,7 @@ class Watch:
         if self.observer is not None:  # a backward's pending gradients, out of the optimizer's peak
             self.observer.flush_pending()
         self.grads.measure(self._detail_step())
-        if (self.replayer is not None and not self.observer.observing
-                and not (self.scaler is not None and torch_access.scaler_enabled(self.scaler))):
+        if self.replayer is not None and not self.observer.observing and not self._scaling:
             # torch hands the hooks step()'s arguments with the optimizer first; Accelerate passes
             # closure=None
             self._replay_if_bad(optimizer, all(v is None for v in kwargs.values())
@@ -710,7 +721,8 @@ class Watch:
             # torch.compile recompile): a pre-hook per child costs a few us a forward for nothing
             self._remove_probes()
         self.grads.reset()
-        self.state = StepState(now, previous=self.state)
+        self._scaling = torch_access.scaler_enabled(self.scaler)
+        self.state = StepState(now)
 
     def _drop_child_probes(self) -> None:
         for handle in self._probes[1:]:
