@@ -344,10 +344,6 @@ class ModuleObserver:
         # step is localized by replaying it (replay.py). Read at run time, never traced: the
         # compiled graph stays one graph
         self.observing = True
-        # the root's forward wrapped so a compiled model's graphs tell observed steps apart by one
-        # flag instead of guards on every hook dict (compiled.py)
-        # (on an accelerator its compiled forward joins the maxima its hooks traced: batched.py)
-        self._split = GraphSplit(modules[0], self.observing, self._finish_traced)
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
         # Under torch.compile, an observed forward's trace observes each tensor once, as eager's
         # learned aliases do (traced_aliases.py): the tensors observed so far in the trace with their
@@ -380,6 +376,10 @@ class ModuleObserver:
         self._index_of: dict[int, int] = {id(m): i for i, m in enumerate(modules)}
         self._before_hook, self._after_hook = _hooks(self._id)
         self._blocks = CompiledBlocks(modules[0], self._is_observed)
+        # the root's forward wrapped so a compiled model's graphs tell observed steps apart by one
+        # flag instead of guards on every hook dict (compiled.py)
+        # (on an accelerator its compiled forward joins the maxima its hooks traced: batched.py)
+        self._split = GraphSplit(modules[0], self.observing, self._finish_traced, self._blocks)
         inside = self._blocks.inside
         for index, module in enumerate(modules):
             if id(module) in inside:  # inside a block compiled on its own: observed from outside it
@@ -424,27 +424,35 @@ class ModuleObserver:
         registering anew took 0.25-0.8 ms) costs no recompile: Dynamo keeps both graphs (the one with
         the hooks compiled once, on the first observed step)."""
         self.observing = on
-        self._split.set(on and self.active)
+        hooking = on and self.active and not self._hooked  # the hooks go back in now
+        if hooking:
+            self._blocks.get()  # one look at the module tree, for the split and the hooks both
+        self._split.set(on and self.active, look=not hooking)
         if on:
             self._quiet = False
         if not self.active or on == self._hooked:
             return
         self._hooked = on
         if on:  # the entries taken out last time, put back as they were
-            self._leave_compiled_blocks()
+            self._leave_compiled_blocks(look=False)
             torch_access.rehook(self._taken)
             self._taken = []
         else:
             if self._entries is None:
                 self._entries = torch_access.hook_entries(self._handles)
             self._taken = torch_access.unhook(self._entries)
+            # out right after take() began a new step (the observed step that ended): nothing was
+            # observed since, and the step is as quiet as one that began unhooked (take). After a
+            # replay mid-step (its values are this step's) it is not
+            if not (self._calls or self._wrote or self.root_calls):
+                self._quiet = True
 
-    def _leave_compiled_blocks(self) -> None:
+    def _leave_compiled_blocks(self, look: bool = True) -> None:
         """Take out for good the hooks of modules inside blocks compiled since attach
         (``compiled.inside_compiled``), before they are traced into the blocks' graphs: at the
         first forward, and as each observed step begins. Such a block keeps its own hooks (its
         OptimizedModule came after them): they run around its graph, at its call."""
-        inside = self._blocks.get()
+        inside = self._blocks.get(look)
         if not inside:
             return
         kept = []

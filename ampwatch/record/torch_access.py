@@ -418,7 +418,9 @@ def tensor_details_foreach(grads: Sequence[torch.Tensor], params: Sequence[torch
         grads, params = [local(g) for g in grads], [local(p) for p in params]  # DTensors: this rank's shard
     device = grads[0].device
     numels = tuple([g.numel() for g in grads])
-    if 0 in numels or len({t.device for t in grads} | {t.device for t in params}) > 1:
+    # a gradient lies on its parameter's device (torch refuses any other ``.grad``): the gradients'
+    # devices say it for both (a device object made per tensor asked)
+    if 0 in numels or len({t.device for t in grads}) > 1:
         # rare (model parallel; an empty shard, whose inf-norm is undefined): per tensor
         return tensor_details(grads, params, out_device, dtype)
     # under no_grad, not a ``detach`` per tensor (two dispatched ops per parameter, ~300 on
