@@ -46,6 +46,7 @@ import argparse
 import concurrent.futures
 import glob
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -188,11 +189,14 @@ def run_variant(variant: str, args: argparse.Namespace, out: str) -> dict[str, t
     command += ["--fused"] * args.fused + ["--bf16"] * args.bf16 + (["--compile", args.compile] if args.compile else [])
     # one hash seed for every process: the same dict and set layouts (string keys), so that two runs
     # of the same code count the same probes
-    # and AVX2 at most: Valgrind's CPU has no AVX-512, but inductor reads /proc/cpuinfo, where a host
-    # that has it says so, and its kernels would stop the counted process (SIGILL); ATen's own
-    # dispatch asks the CPU, which under Valgrind answers AVX2 anyway
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONHASHSEED": "0", "ATEN_CPU_CAPABILITY": "avx2"})
+    # and AVX2 at most: Valgrind's CPU has no AVX-512, but on a host that has it inductor would pick
+    # its AVX-512 kernels (it reads /proc/cpuinfo) and compile them with -march=native, and the
+    # counted process would stop (SIGILL); ATen's own dispatch asks the CPU, which under Valgrind
+    # answers AVX2 anyway
+    env = {**os.environ, "PYTHONHASHSEED": "0", "ATEN_CPU_CAPABILITY": "avx2"}
+    if platform.machine() in ("x86_64", "AMD64"):
+        env["TORCHINDUCTOR_CPP_MARCH"] = "haswell"  # AVX2, FMA, BMI, F16C; read by inductor (torch 2.13 does)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     found = counts(out, variant)
     if done.returncode != 0 or set(found) != {"observed", "between"}:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
