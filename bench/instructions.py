@@ -196,6 +196,9 @@ def run_variant(variant: str, args: argparse.Namespace, out: str) -> dict[str, t
     env = {**os.environ, "PYTHONHASHSEED": "0", "ATEN_CPU_CAPABILITY": "avx2"}
     if platform.machine() in ("x86_64", "AMD64"):
         env["TORCHINDUCTOR_CPP_MARCH"] = "haswell"  # AVX2, FMA, BMI, F16C; read by inductor (torch 2.13 does)
+    # and a cache of their own: kernels built for Valgrind's CPU, left in the shared cache, were
+    # loaded later by a plain process on this AVX-512 host and corrupted its heap
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(out, "torchinductor")  # its kernels: matched by _KERNEL
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     found = counts(out, variant)
     if done.returncode != 0 or set(found) != {"observed", "between"}:
