@@ -192,6 +192,6 @@ def _detail(watch: Any, held: HeldStep, replayed: list) -> Optional[torch.Tensor
                                          watch._pack_dtype)
     if "scale" in held.scalars.layout:  # the replay's gradients carry the scale; its norms do not
         offset, _ = held.scalars.layout["scale"]
-        scale = held.scalars.device.view(held.scalars.dtype)[offset]
+        scale = held.scalars.device[offset]
         detail[:, 0] *= scale.double().reciprocal().to(detail.dtype)
     return detail.reshape(-1)

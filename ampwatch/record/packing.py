@@ -79,6 +79,10 @@ class PackReader:
     def rows(self, pack: StepPack) -> Rows:
         if pack.ready is not None:
             pack.ready.synchronize()  # waits in the writer thread, never in training
+        if pack.flat is not None and pack.flat.dtype != torch.uint8:
+            # the step's scalars alone, in their dtype (record/step.py): seen as bytes here, off the
+            # training thread
+            pack.flat = pack.flat.view(torch.uint8)
         values: list[float] = []
         if pack.scalars is not None:
             values = pack.scalars

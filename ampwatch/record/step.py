@@ -69,7 +69,8 @@ def step_loss(watch: Any, host: bool = False) -> Optional[torch.Tensor]:
     if len(losses) == 1:
         loss = losses[0]
         loss = loss if loss.numel() == 1 else loss.float().mean()
-        return loss if host else loss.to(dev)
+        # a device comparison costs a third of a ``to`` that has nothing to do (its argument parsing)
+        return loss if host or loss.device == dev else loss.to(dev)
     stacked = torch.stack([l.float().mean().to(dev) for l in losses])
     return stacked.mean() if state.logged_losses else stacked.sum()
 
@@ -143,8 +144,9 @@ class StepScalars:
     tensor learning rate), packed
     as soon as they are all known: before ``scaler.update()``, which changes the scale in place, so
     the concatenation copies the scaler's own tensor and no snapshot of it is needed (one op a step
-    fewer). ``device``: the scalars in the pack dtype as bytes, on the device (one ``cat``), or
-    None; where reads are free ``values`` holds them as floats instead."""
+    fewer). ``device``: the scalars in the pack dtype ``dtype``, one dimension, on the device (one
+    ``cat``), or None (viewed as bytes only where the module stats join them, or by the writer
+    thread); where reads are free ``values`` holds them as floats instead."""
     layout: dict
     host_metrics: dict
     nbytes: int
@@ -170,14 +172,18 @@ def pack_scalars(watch: Any, scale: Any, found: Optional[torch.Tensor]) -> StepS
         values = _host_values(segments)
     elif segments:
         dev = watch._device
-        tensors = _one_dimensional([t.to(dev) for _, t in segments])
+        tensors = [t if t.device == dev else t.to(dev) for _, t in segments]
+        if max(map(torch.Tensor.dim, tensors)) > 1:  # a loss shaped (1, 1): hstack joins up to 1-d
+            tensors = _one_dimensional(tensors)
         if all(t.dtype == torch.float32 for t in tensors):
             # every value is a float32 already (a healthy step's loss, scale and norms): packed as
-            # they are, exactly; a cat into float64 needed an output allocated first, at ~3x the host time
+            # they are, exactly; a cat into float64 needed an output allocated first, at ~3x the host
+            # time. hstack: the 0-d ones (loss, scale) join as they are, made 1-d inside ATen, not by a
+            # view op called from Python for each (~8 us of host work each on the CPU path)
             dt = torch.float32
-            device = torch.cat(tensors).view(torch.uint8)
+            device = torch.hstack(tensors)
         else:  # one op: cat converts every segment into the pack dtype as it copies
-            device = torch.cat(tensors, out=torch.empty(offset, dtype=dt, device=dev)).view(torch.uint8)
+            device = torch.cat(_one_dimensional(tensors), out=torch.empty(offset, dtype=dt, device=dev))
     return StepScalars(layout, host_metrics, offset * dt.itemsize, dt, scaled=scale is not None,
                        device=device, values=values)
 
@@ -198,7 +204,7 @@ def extend_scalars(scalars: StepScalars, extra: list[tuple[str, torch.Tensor]]) 
     for key, t in extra:
         layout[key] = (offset, t.numel())
         offset += t.numel()
-        parts.append(t.detach().reshape(-1).to(dt).view(torch.uint8))
+        parts.append(t.detach().reshape(-1).to(dt))
     return StepScalars(layout, dict(scalars.host_metrics), offset * dt.itemsize, dt, scaled=scalars.scaled,
                        device=torch.cat(parts) if len(parts) > 1 else parts[0])
 
@@ -237,6 +243,8 @@ def transfer_step(watch: Any, scalars: StepScalars) -> tuple[Optional[torch.Tens
             first = observer.first_bytes()
             loc = observer.take()  # folds what is pending into the buffer first
             if loc["observed"]:  # else the buffer is as reset and nothing reads it (packing._Analysis)
+                if parts:  # joined as bytes; alone, the scalars stay in their dtype (the writer views them)
+                    parts[0] = parts[0].view(torch.uint8)
                 parts.extend(observer.stats_parts())
                 parts.extend(first)
         if parts:
