@@ -104,6 +104,67 @@ def test_a_clip_that_raises_leaves_torch_as_it_was(tmp_path):
         assert torch.stack is torch._C._VariableFunctions.stack
 
 
+class _SometimesBranch(torch.nn.Module):
+    """An MLP whose side branch runs on every third step only (a mixture-of-experts' idle expert):
+    on the other steps its parameters have no gradient, and the clip's gradient list is shorter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.side = mlp(), torch.nn.Linear(16, 4)
+        self.use_side = False
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + self.side(x) if self.use_side else out
+
+
+@pytest.mark.parametrize("layer_every", [1, 2])  # 2: step 4, without the branch, follows a step with it
+def test_each_norm_stays_with_its_parameter_when_some_have_no_gradient(tmp_path, record_path, layer_every):
+    """The clip's norms are mapped to parameters from the clip's parameter list when every
+    parameter gave a gradient; a step on which some gave none must not shift them onto others."""
+    model = _SometimesBranch()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    opt = torch.optim.SGD(params, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "r.sqlite"), layer_every=layer_every)
+    truth = []
+    for i in range(7):
+        model.use_side = i % 3 == 0
+        x, y = data(i)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        truth.append({n: float(p.grad.double().norm()) for n, p in zip(names, params) if p.grad is not None})
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    watch.close()
+    run = ampwatch.load(watch.path)
+    layers = run.layers
+    assert len(truth[0]) == len(params) and len(truth[1]) == len(params) - 2  # the branch's weight and bias
+    for step, want in enumerate(truth):
+        total = float(run.steps.grad_norm.iloc[step])
+        assert total == pytest.approx(math.sqrt(sum(v * v for v in want.values())), rel=1e-5), f"step {step}"
+        if step % layer_every:
+            continue  # per-parameter rows are written on layer_every steps
+        rows = layers[(layers.step == step) & layers.grad_norm.notna()]
+        got = dict(zip(rows.name, rows.grad_norm))
+        assert set(want) <= set(got), f"step {step}"
+        for name, norm in want.items():
+            assert got[name] == pytest.approx(norm, rel=1e-5), f"step {step}, {name}"
+
+
+def test_a_clip_handed_an_empty_generator_warns_as_torch_does(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with ampwatch.attach(model, opt, path=str(tmp_path / "r.sqlite")):
+        with pytest.warns(UserWarning, match="empty generator"):
+            torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
+
+
 def _clipping_step(model, opt, scaler, x, y, watch=None) -> None:
     """One step of the loop that clips: fp16 + GradScaler (unscale_ first), or, without a scaler,
     bf16 with the loss through ``watch.log``."""

@@ -23,15 +23,17 @@ every gradient (``torch._foreach_norm``) to get the total; the recorder needs ex
 every step, so a loop that clips pays for them once instead of twice. While torch's
 ``_get_total_norm`` runs on the calling thread, ``torch._foreach_norm`` and ``torch.stack`` are
 swapped for shims that keep what they return; the total the clip uses is torch's own, computed by
-torch's own code (training is unchanged). Each listener's ``on_clip_norms(tensors, norms, vector)``
-then gets the tensors, their norms and, when torch stacked exactly those norms, the stacked vector
-(one op fewer for the recorder). The swap is skipped (the call goes through untouched) while
+torch's own code (training is unchanged). Each listener's ``on_clip_norms(tensors, norms, vector,
+parameters)`` then gets the tensors, their norms, when torch stacked exactly those norms the stacked
+vector (one op fewer for the recorder), and, when the total was ``clip_grad_norm_``'s over one
+device and dtype, the clip's parameter list (torch's tensors are then ``[p.grad for p in parameters
+if p.grad is not None]``, in that order: a listener that knows the parameters need not read each
+gradient to map the norms). The swap is skipped (the call goes through untouched) while
 another thread holds it, while Dynamo traces, and for a norm other than L2.
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from typing import Any, Callable
 
@@ -60,6 +62,11 @@ _NORM_TARGETS = (
     ("torch.nn.utils", "get_total_norm"),
 )
 _swap = threading.Lock()  # one capture at a time: the swap of torch._foreach_norm is process-wide
+# thread id -> the parameter list of the clip_grad_norm_ call running on that thread (the listeners
+# heard it): its total-norm call hands it on with the norms, and its own call of
+# _clip_grads_with_norm_ is not told to them a second time
+_clip_calls: dict[int, Any] = {}
+_NORM_COMPUTING = {"clip_grad_norm_"}  # the targets that compute the total norm themselves
 
 
 def _module(name: str) -> Any:
@@ -70,25 +77,32 @@ def _module(name: str) -> Any:
         return None
 
 
-def _wrap(original: Callable) -> Callable:
-    # clip_grad_norm_ calls _clip_grads_with_norm_, so a listener may hear one call twice: harmless,
-    # Watch.on_clip returns at once for a max_norm it already knows.
+def _wrap(original: Callable, computes_norm: bool) -> Callable:
     @functools.wraps(original)
     def clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
         # a clip inside a compiled function is not listened to: telling a listener would break
-        # the graph (the writer's queue takes a lock); the threshold then comes from the config
-        if _listeners and not dynamo_compiling():
-            seen = parameters
-            if not isinstance(parameters, (torch.Tensor, list, tuple)):
-                # a generator (model.parameters()) must survive being looked at: listeners only
-                # need its first item, and listing a whole model's parameters costs ~50 us a step
-                rest = iter(parameters)
-                first = next(rest, None)
-                seen = () if first is None else (first,)
-                parameters = itertools.chain(seen, rest)
-            for listener in _listeners:
-                listener.on_clip(seen, max_norm)  # Watch.on_clip never raises
-        return original(parameters, max_norm, *args, **kwargs)
+        # the graph (the writer's queue takes a lock); the threshold then comes from the config.
+        # Nor is the _clip_grads_with_norm_ that a heard clip_grad_norm_ calls: heard already
+        if not _listeners or dynamo_compiling():
+            return original(parameters, max_norm, *args, **kwargs)
+        thread = threading.get_ident()
+        if thread in _clip_calls:
+            return original(parameters, max_norm, *args, **kwargs)
+        if not isinstance(parameters, (torch.Tensor, list, tuple)):
+            # a generator (model.parameters()): listed here, as clip_grad_norm_ lists it first
+            # thing (the generator runs once either way); an empty one goes on as it is, for
+            # torch's warning about it
+            listed = list(parameters)
+            parameters = listed or parameters
+        for listener in _listeners:
+            listener.on_clip(parameters, max_norm)  # Watch.on_clip never raises
+        if not computes_norm:
+            return original(parameters, max_norm, *args, **kwargs)
+        _clip_calls[thread] = parameters
+        try:
+            return original(parameters, max_norm, *args, **kwargs)
+        finally:
+            del _clip_calls[thread]
     return clip
 
 
@@ -131,8 +145,10 @@ def _wrap_total_norm(original: Callable) -> Callable:
             # torch stacks the norms to sum them: that vector, when it holds exactly these norms
             vector = next((out for items, out in stacked
                            if len(items) == len(norms) and items[0] is norms[0] and items[-1] is norms[-1]), None)
+            # one group: torch's own list, in the clip's parameter order (see the module docstring)
+            parameters = _clip_calls.get(thread) if len(seen) == 1 else None
             for listener in _listeners:
-                listener.on_clip_norms(grads, norms, vector)  # Watch.on_clip_norms never raises
+                listener.on_clip_norms(grads, norms, vector, parameters)  # Watch.on_clip_norms never raises
         return result
     return total_norm
 
@@ -146,8 +162,8 @@ def _is_l2(norm_type: Any) -> bool:
 
 def listen(listener: Any) -> None:
     """Start telling ``listener.on_clip(parameters, max_norm)`` about every clip, and
-    ``listener.on_clip_norms(tensors, norms, vector)`` the per-gradient norms it computed; wraps on
-    first use."""
+    ``listener.on_clip_norms(tensors, norms, vector, parameters)`` the per-gradient norms it
+    computed; wraps on first use."""
     global _listeners
     with _lock:
         if listener not in _listeners:
@@ -159,7 +175,7 @@ def listen(listener: Any) -> None:
                 module = _module(target[0])
                 original = getattr(module, target[1], None) if module is not None else None
                 if callable(original):
-                    wrapper = wrap(original)
+                    wrapper = wrap(original, target[1] in _NORM_COMPUTING) if wrap is _wrap else wrap(original)
                     _installed[target] = (original, wrapper)
                     setattr(module, target[1], wrapper)
 
