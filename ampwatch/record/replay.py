@@ -117,6 +117,7 @@ class Replayer:
 
     def __init__(self, root: torch.nn.Module, device: torch.device) -> None:
         self.root, self.device = root, device
+        self._kind = device.type  # read on every forward: torch.device.type builds a str at each read
         self.batches: list[_MicroBatch] = []
         self.replaying = False
         self.broken = False  # this step's references are incomplete: it cannot be replayed
@@ -147,7 +148,7 @@ class Replayer:
                 self.batches.clear()
                 self.broken = True  # this step cannot be replayed whole
                 return
-            kind = self.device.type
+            kind = self._kind
             autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
             self.batches.append(_MicroBatch(args, kwargs, self._rng(), autocast))
         except Exception:

@@ -40,15 +40,16 @@ class StepState:
         self.scaler_stepped = False     # scaler.step() ran (update() closes the step)
 
 
-def _transfer(flat: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, Any]:
+def _transfer(flat: torch.Tensor, fresh: bool, kind: str) -> tuple[torch.Tensor, Any]:
     """The step's one device-to-host copy; on CUDA not waited on here (the writer waits on ``ready``).
-    ``fresh``: ``flat`` is a new tensor (a concatenation), not the stats buffer itself."""
-    if flat.device.type == "cuda":
+    ``fresh``: ``flat`` is a new tensor (a concatenation), not the stats buffer itself; ``kind``:
+    its device's type (the watch's, known: ``tensor.device.type`` builds a str at each read)."""
+    if kind == "cuda":
         host = flat.to("cpu", non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return host, ready
-    if flat.device.type != "cpu":
+    if kind != "cpu":
         return flat.cpu(), None  # sync point: other accelerators have no event API we rely on
     # the stats buffer is reset for the next step: keep this step's values
     return (flat if fresh else flat.clone()), None
@@ -249,7 +250,7 @@ def transfer_step(watch: Any, scalars: StepScalars) -> tuple[Optional[torch.Tens
                 parts.extend(first)
         if parts:
             flat, ready = _transfer(torch.cat(parts) if len(parts) > 1 else parts[0],
-                                    fresh=scalars.device is not None or len(parts) > 1)
+                                    fresh=scalars.device is not None or len(parts) > 1, kind=watch._device_kind)
     if observer is not None and (watch._reads_free or loc["observed"]):
         observer.reset_buffer(first=bool(loc and loc["first"]))  # stream-ordered after the copy above
     return flat, ready, loc

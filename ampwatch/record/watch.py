@@ -96,6 +96,7 @@ class Watch:
         self._param_numel = {i: torch_access.local(p).numel() for i, p in enumerate(self._params)}  # this rank's
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._device_kind = self._device.type  # a str made anew at each read of .type (~3k instructions)
         self._pack_dtype = torch_access.pack_dtype(self._device)
         self._reads_free = torch_access.reads_are_free(self._device)  # fixed for the run: asked once
         # a gradient has its parameter's dtype, device and tensor type: which parameters' norms fit
@@ -277,7 +278,7 @@ class Watch:
     def on_autocast(self) -> None:
         if self._amp_seen or self.step or self._failed or self.closed:
             return
-        kind = self._device.type
+        kind = self._device_kind
         try:
             if torch.is_autocast_enabled(kind):
                 self._amp_seen = True
