@@ -23,7 +23,13 @@ between observed ones (their mean), and averaged over a whole block
 base's; and the other threads' (the writer's: turning packs into rows; its commits, every
 ``flush_every_s``, are left out of the window, as a run makes one per ~7 steps). Last, per
 variant, the instructions inside the CPU's per-tensor loops of ``torch._foreach_*`` ops (which a GPU
-runs as multi-tensor launches): how much of a count is that CPU-only form.
+runs as multi-tensor launches): how much of a count is that CPU-only form; and the host instructions
+spent in the C allocator (glibc's malloc and free, C++'s new and delete, ``c10::alloc_cpu``), with
+the added host count without them. What one allocation costs depends on the state of the heap that
+earlier steps left (its free lists), not on the code that asks: over 19 runs (eager, fused and
+inductor, several commits) the allocator's share of the added count between observed steps ranged
+from -0.15 to +0.35 M a step, in both directions, while the rest moved by less than 0.1 M between
+runs of the same code.
 
 What a count is not: time. An instruction of the interpreter and one of a vectorized kernel cost
 differently, cache misses and waits for the GIL are not counted, and Valgrind's CPU has no AVX-512
@@ -122,12 +128,19 @@ _SYNC = re.compile(r"pthread_cond_|pthread_mutex_|take_gil|drop_gil|futex|__lll_
                    r"PyThread_release_lock|PyCOND_|PyMUTEX_")
 
 
-def split(path: str) -> tuple[int, int]:
-    """Instructions of ``path``'s dump that ran in ATen's CPU kernel bodies, and in handing locks
-    between threads (callgrind_annotate's exclusive cost per function, every function listed)."""
+# The C allocator: glibc's malloc and free (and their helpers), C++'s new and delete, torch's CPU
+# storages (posix_memalign under c10::alloc_cpu). On a GPU a tensor's memory comes from the CUDA
+# caching allocator instead; and here one allocation's count depends on the heap's free lists
+_ALLOC = re.compile(r"malloc\.c:|arena\.c:|operator new|operator delete|c10::alloc_cpu|c10::free_cpu")
+
+
+def split(path: str) -> tuple[int, int, int]:
+    """Instructions of ``path``'s dump that ran in ATen's CPU kernel bodies, in handing locks
+    between threads, and (of the rest) in the C allocator (callgrind_annotate's exclusive cost per
+    function, every function listed)."""
     listing = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", path],
                              capture_output=True, text=True, check=True).stdout
-    kernel = sync = 0
+    kernel = sync = alloc = 0
     for line in listing.splitlines():
         match = _LINE.match(line)
         if match and "PROGRAM TOTALS" not in line:
@@ -135,7 +148,9 @@ def split(path: str) -> tuple[int, int]:
                 kernel += int(match.group(1).replace(",", ""))
             elif _SYNC.search(match.group(2)):
                 sync += int(match.group(1).replace(",", ""))
-    return kernel, sync
+            elif _ALLOC.search(match.group(2)):
+                alloc += int(match.group(1).replace(",", ""))
+    return kernel, sync, alloc
 
 
 # On the CPU a ``torch._foreach_*`` op runs its tensors one by one, each a whole op through the
@@ -159,9 +174,10 @@ def foreach_loops(path: str) -> int:
     return sum(loops.values())
 
 
-def counts(out: str, variant: str) -> dict[str, tuple[int, int, int, int, int]]:
+def counts(out: str, variant: str) -> dict[str, tuple[int, int, int, int, int, int]]:
     """Part (observed, between) -> (main thread's Ir, of which in kernel bodies, of which in handing
-    locks between threads, other threads' Ir, the main thread's in per-tensor loops of foreach ops)."""
+    locks between threads, other threads' Ir, the main thread's in per-tensor loops of foreach ops,
+    the main thread's host Ir in the C allocator)."""
     parts: dict[str, list[int]] = {}
     for path in glob.glob(f"{out}/{variant}.cg.*.[0-9]*-[0-9]*"):
         match = re.search(r"\.(\d+)-(\d+)$", path)
@@ -169,16 +185,17 @@ def counts(out: str, variant: str) -> dict[str, tuple[int, int, int, int, int]]:
         part = {"1": "observed", "2": "between"}.get(match.group(1)) if match else None
         if part is None or total is None:
             continue
-        threads = parts.setdefault(part, [0, 0, 0, 0, 0])
+        threads = parts.setdefault(part, [0, 0, 0, 0, 0, 0])
         if match.group(2) == "01":  # the main thread: the training loop
-            kernel, sync = split(path)
+            kernel, sync, alloc = split(path)
+            threads[5] += alloc
             threads[0] += int(total.group(1))
             threads[1] += kernel
             threads[2] += sync
             threads[4] += foreach_loops(path)
         else:
             threads[3] += int(total.group(1))
-    return {part: (v[0], v[1], v[2], v[3], v[4]) for part, v in parts.items()}
+    return {part: (v[0], v[1], v[2], v[3], v[4], v[5]) for part, v in parts.items()}
 
 
 def run_variant(variant: str, args: argparse.Namespace, out: str) -> dict[str, tuple[int, int]]:
@@ -196,8 +213,9 @@ def run_variant(variant: str, args: argparse.Namespace, out: str) -> dict[str, t
     env = {**os.environ, "PYTHONHASHSEED": "0", "ATEN_CPU_CAPABILITY": "avx2"}
     if platform.machine() in ("x86_64", "AMD64"):
         env["TORCHINDUCTOR_CPP_MARCH"] = "haswell"  # AVX2, FMA, BMI, F16C; read by inductor (torch 2.13 does)
-    # and a cache of their own: kernels built for Valgrind's CPU, left in the shared cache, were
-    # loaded later by a plain process on this AVX-512 host and corrupted its heap
+    # and a cache of their own, so that kernels built under these settings never reach a plain
+    # process: on an AVX-512 host, plain compiled runs that read the shared cache after these counts
+    # died in inductor's kernels with a corrupted heap, and ran once the cache was moved aside
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(out, "torchinductor")  # its kernels: matched by _KERNEL
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     found = counts(out, variant)
@@ -251,7 +269,7 @@ def main() -> None:
     L = args.layer_every
 
     def per_step(r: dict) -> list[float]:
-        (o_all, o_kernel, o_sync, o_other, _), (b_all, b_kernel, b_sync, b_other, _) = r["observed"], r["between"]
+        (o_all, o_kernel, o_sync, o_other, *_), (b_all, b_kernel, b_sync, b_other, *_) = r["observed"], r["between"]
         h = args.healthy
         observed = (o_all, o_all - o_kernel - o_sync)
         between = (b_all / h, (b_all - b_kernel - b_sync) / h)
@@ -278,6 +296,21 @@ def main() -> None:
               + ("" if variant == "base" else
                  f" ({(o - loops['base'][0]) / 1e6:+,.2f} and {(b - loops['base'][1]) / 1e6:+,.3f} against the base)")
               for variant, (o, b) in loops.items()))
+    # the C allocator's part of the host count, and the host count without it (see the docstring)
+    alloc = {variant: (results[variant]["observed"][5], results[variant]["between"][5] / args.healthy)
+             for variant in variants}
+    print("\nof the host instructions, in the C allocator (M a step; what one allocation costs depends on the "
+          "heap's state): " + "; ".join(f"{variant} {o / 1e6:,.2f} on the observed step, {b / 1e6:,.3f} between"
+                                         for variant, (o, b) in alloc.items()))
+    rest = {variant: [figures[variant][1] - alloc[variant][0], figures[variant][3] - alloc[variant][1]]
+            for variant in variants}
+    for figure in rest.values():
+        figure.append((figure[0] + (L - 1) * figure[1]) / L)
+    print("\nhost instructions added per step without the allocator's (M, and the ratio to the base's host count "
+          "without it): " + "; ".join(
+              f"{variant} " + ", ".join(f"{(v - ref) / 1e6:+,.3f} {where} ({v / ref:.4f}x)" for v, ref, where in zip(
+                  rest[variant], rest["base"], ("on the observed step", "between", "averaged")))
+              for variant in variants if variant != "base"))
     print(f"\n(dump files in {out})")
 
 
