@@ -123,7 +123,6 @@ class Replayer:
         self.broken = False  # this step's references are incomplete: it cannot be replayed
         self._device_rng = getattr(torch, device.type, None) if device.type != "cpu" else None
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
-        self.removed = False
         # kept eager under torch.compile(model): the root's hooks run outside its graph. The
         # outputs are handed over by the backward-end trigger's root hook (backward.py), which sees
         # the same outputs: one hook, and one Dynamo-disabled wrapper, on every forward, not two
@@ -157,7 +156,8 @@ class Replayer:
     def outputs(self, module: Any, output: Any) -> None:
         """The root's ``output`` of the forward :meth:`_keep` kept: its gradient is kept as it
         flows back (a gradient hook on each output that carries one). Never raises."""
-        if (self.removed or self.replaying or self.broken or not self.batches
+        # not self._handles: removed (the trigger's root hook still hands outputs over: ignored)
+        if (not self._handles or self.replaying or self.broken or not self.batches
                 or not (module.training and torch.is_grad_enabled())):
             return
         try:
@@ -301,7 +301,6 @@ class Replayer:
         return batches
 
     def remove(self) -> None:
-        self.removed = True  # the trigger's root hook still hands outputs over: ignored from now on
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
