@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -416,6 +417,12 @@ def test_short_growth_interval_probing_is_a_warning(skip_runs):
     probe = [f for f in findings if f.id == "scale-probing"]
     assert probes_truth and probe and probe[0].severity == "warning" and "growth_interval=2" in probe[0].title
     assert probe[0].steps[0] == probes_truth[0]
+    # the scales the probes carried: one value when they all read the same, else "low to high"
+    from ampwatch.doctor.finding import num
+    at_probes = [float(scale[int(np.flatnonzero(s["step"].to_numpy() == p)[0])]) for p in probes_truth]
+    low, high = num(min(at_probes)), num(max(at_probes))
+    told = low if low == high else f"{low} to {high}"
+    assert f"scale at those skips {told}" in probe[0].evidence and ")-" not in probe[0].evidence
     assert _explained(findings, [int(x) for x in s.loc[s["skipped"], "step"]]) == []
 
 

@@ -72,6 +72,13 @@ def num(x: Any) -> str:
     return text
 
 
+def num_range(low: Any, high: Any) -> str:
+    """``num(low)`` alone when both ends read the same, else "low to high" (a dash would run into
+    the 2^k hint)."""
+    a, b = num(low), num(high)
+    return a if a == b else f"{a} to {b}"
+
+
 def pct(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "n/a"
 

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from .facts import Facts
-from .finding import Finding, num, pct
+from .finding import Finding, num, num_range, pct
 from .origins import origin_advice
 
 # Recurring overflow: GradScaler's defaults (growth_interval=2000) allow one probing skip per ~2000
@@ -148,7 +148,7 @@ def scale_probing(facts: Facts) -> list[Finding]:
     steps = [int(s) for s in probes["step"]]
     evidence = (f"{len(probes):,} of {n:,} steps after warm-up ({pct(len(probes), n)}) skipped right after the scale "
                 f"grew (growth_interval={gi}): steps {_steps_text(steps)}; overflow at {_origins_text(probes)}; "
-                f"scale at those skips {num(probes['scale'].min())}-{num(probes['scale'].max())}")
+                f"scale at those skips {num_range(probes['scale'].min(), probes['scale'].max())}")
     if many:
         advice = (f"The scaler grows the scale every {gi} clean steps and the next step overflows: raise growth_interval "
                   f"(2000 is the default) so fewer steps are thrown away; these overflows happen only at the grown scale.")
