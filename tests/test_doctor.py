@@ -5,6 +5,7 @@ scaler. Each run is recorded once per module (fixtures) and only read afterwards
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from pathlib import Path
 from typing import Callable, Optional
@@ -253,7 +254,11 @@ def test_warmup_skips_are_info_and_their_events_are_not_errors(runs):
     warm = the(findings, "warmup-skips")
     assert warm.severity == "info"
     assert warm.steps == (0, max(skipped))
-    assert f"{len(skipped)} skipped" in warm.title
+    if len(skipped) == 1:  # one step, named as one
+        assert "step 0, the first, skipped" in warm.title and warm.evidence.startswith("step 0, the first step")
+    else:
+        assert f"{len(skipped)} skipped steps in a row" in warm.title
+        assert warm.evidence.startswith("steps " + ", ".join(f"{s:,}" for s in skipped[:12]))
     scales = run.steps["loss_scale"]
     assert f"-> {rules.num(scales.iloc[max(skipped) + 1])}" in warm.evidence
     assert "nonfinite-origin" not in ids(findings)
@@ -269,7 +274,7 @@ def test_recurring_forward_overflow_is_one_root_naming_the_module(runs):
     root = findings[0]
     assert root.id == "nonfinite-origin" and root.cause is None and root.steps[0] == fwd_steps[0] == 30
     assert "born in 1 (Outlier, forward)" in root.title and "Keep 1 in fp32" in root.advice
-    assert f"non-finite values at {len(fwd_steps)} step(s)" in root.evidence
+    assert f"non-finite values at {len(fwd_steps)} step{'' if len(fwd_steps) == 1 else 's'} (" in root.evidence
     # every skip is explained: forward overflows by the root, the rest by probing/lone-skip findings
     skipped = [int(x) for x in s.loc[s["skipped"], "step"]]
     assert all(any(f.steps[0] <= x <= f.steps[1] for f in findings) for x in skipped)
@@ -390,6 +395,21 @@ def test_sample_overflow_storm_names_the_overflow_and_its_origin():
     assert origin.steps[0] == first and f"born in {module} (" in origin.title
     assert "warmup-skips" in ids(findings, "info")  # init_scale 2**24: the start is normal
     assert "divergence" not in ids(findings)  # it recovered
+
+
+def test_a_single_skipped_step_is_named_as_one():
+    """healthy_fp16 skipped its first step only in warm-up: "step 0", not "steps 0" or "1 ... step(s)";
+    a finding over several steps lists them after "steps"."""
+    findings = ampwatch.diagnose(str(SAMPLES / "healthy_fp16.sqlite"))
+    skipped = [s for (s,) in _sql("healthy_fp16", "SELECT step FROM steps WHERE skipped = 1 ORDER BY step")]
+    warm = the(findings, "warmup-skips")
+    assert skipped[0] == 0 and skipped[1] > 1  # one warm-up skip, then a clean step
+    assert warm.steps == (0, 0) and "step 0, the first, skipped" in warm.title
+    assert warm.evidence.startswith("step 0, the first step, skipped;")
+    late = the(findings, "late-skips")
+    assert late.evidence.startswith("steps " + ", ".join(f"{s:,}" for s in skipped[1:]) + " (")
+    for f in findings:
+        assert not re.search(r"\bsteps \d+(?:,\d{3})*(?!\d|,\d|, |-| to | and)", f.evidence), f.evidence
 
 
 def test_sample_diverged_names_the_origin_and_the_divergence():

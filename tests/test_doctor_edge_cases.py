@@ -228,4 +228,4 @@ def test_clip_before_unscale_covers_every_step_it_happened(tmp_path, until):
     if until == 11:
         assert f.steps == (0, 11) and "on every step it checked from step 0 on (6 checks" in f.evidence
     else:
-        assert f.steps == (0, 4) and "at 3 step(s) of 6 checked" in f.evidence
+        assert f.steps == (0, 4) and "at 3 steps of 6 checked" in f.evidence

@@ -6,6 +6,7 @@ import math
 from typing import Any, Optional
 
 from ..doctor.diff import MANTISSA_BITS, RTOL_CAP, RTOL_FLOOR, ULPS, Gap, RunDiff
+from ..doctor.finding import counted
 
 FIGURE_NAMES = {"loss": "loss", "grad_norm": "gradient norm", "loss_scale": "loss scale", "skipped": "skipped",
                 "param_norm": "parameter norm", "amax": "max |value|"}
@@ -81,7 +82,7 @@ def _coverage(d: RunDiff) -> list[str]:
              f"modules on {d.detail_steps.get('modules', 0)}"]
     for side, (count, first, last) in zip("ab", d.steps_only):
         if count:
-            lines.append(f"           {count} step(s) only in {side} ({first}-{last}): not compared")
+            lines.append(f"           {counted(count, 'step')} only in {side} ({first}-{last}): not compared")
     for table, (only_a, only_b) in d.names_only.items():
         if only_a or only_b:
             lines.append(f"           {table}: {only_a} only in a, {only_b} only in b "

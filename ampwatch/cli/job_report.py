@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..doctor import SEVERITIES, Finding
+from ..doctor.finding import counted
 from .report import wrap
 from ..jobs.group import RunGroup, rank_list
 from ..jobs.combine import first_nonfinite
@@ -67,7 +68,7 @@ def format_job_summary(group: RunGroup) -> str:
     n = int(ov.ranks["steps"].max()) if len(ov.ranks) else 0
     skipped = int(ov.ranks["skipped"].max()) if len(ov.ranks) else 0
     agree = "every rank agrees on every skip" if not ov.disagree_steps else \
-        f"ranks DISAGREE on {len(ov.disagree_steps)} step(s), first {ov.disagree_steps[0]}"
+        f"ranks DISAGREE on {counted(len(ov.disagree_steps), 'step')}, first {ov.disagree_steps[0]}"
     sampled = f" (sampled every {ov.every} steps)" if ov.every > 1 else ""
     finite = g[np.isfinite(g["loss_mean"].astype(float))]
     norms = g["grad_norm"].astype(float)
@@ -113,7 +114,7 @@ def format_job_doctor(group: RunGroup, job: list[Finding], per_rank: list[tuple[
     all_f = job + [f for f, _ in per_rank]
     counts = {s: sum(f.severity == s for f in all_f) for s in SEVERITIES}
     lines = [job_header(group, ov),
-             f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info"]
+             f"{counted(counts['error'], 'error')}, {counted(counts['warning'], 'warning')}, {counts['info']} info"]
     if not all_f:
         lines += ["", "No findings: nothing in this job needs attention."]
     for f, ranks in [(f, None) for f in job] + per_rank:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from ..doctor.finding import SEVERITIES, Finding, health, span
+from ..doctor.finding import SEVERITIES, Finding, counted, health, span
 
 
 def health_line(run: Any, findings: list[Finding], width: int = 28) -> str:
@@ -35,12 +35,13 @@ def format_report(run: Any, findings: list[Finding]) -> str:
     n = int(run.query("SELECT COUNT(*) AS n FROM steps")["n"].iloc[0])  # not run.steps: a 1M-row read
     scaler = "GradScaler on" if info.get("scaler_enabled") else "no GradScaler"
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
-    roots = [f for f in findings if f.cause is None]
+    # the problems' root causes: an info finding (a normal warm-up) is not one
+    roots = [f for f in findings if f.cause is None and f.severity != "info"]
     lines = [f"{run.name}  ({run.path})",
              f"{n:,} steps, {info.get('amp_dtype') or 'no autocast seen'}, {scaler}, {info.get('status')}",
              f"health: {health(findings)}",
-             f"{len(roots)} root cause(s); {counts['error']} error(s), {counts['warning']} warning(s), "
-             f"{counts['info']} info"]
+             f"{counted(len(roots), 'root cause')}; {counted(counts['error'], 'error')}, "
+             f"{counted(counts['warning'], 'warning')}, {counts['info']} info"]
     if not findings:
         lines += ["", "No findings: nothing in this run needs attention."]
     for f in findings:

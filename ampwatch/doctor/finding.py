@@ -72,6 +72,11 @@ def num(x: Any) -> str:
     return text
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """"1 step", "2 steps", "1,024 values": the count and its noun, agreeing."""
+    return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"
+
+
 def num_range(low: Any, high: Any) -> str:
     """``num(low)`` alone when both ends read the same, else "low to high" (a dash would run into
     the 2^k hint)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import Finding, diagnose, sort_findings
+from .finding import counted
 from ..jobs.group import RunGroup, rank_list
 from ..jobs.combine import RANK_LOCAL_PHASES, first_nonfinite, group_overview, phase_steps
 
@@ -60,7 +61,7 @@ def rank_origin(group: RunGroup) -> list[Finding]:
     if unseen:
         evidence += f"; {_ranks(unseen)} could not be read (missing or unreadable)"
     if recurring:
-        evidence += "; forward NaN/Inf later on " + ", ".join(f"rank {r} at {n} more step(s)"
+        evidence += "; forward NaN/Inf later on " + ", ".join(f"rank {r} at {counted(n, 'more step')}"
                                                              for r, n in sorted(recurring.items())[:8])
     if clean:
         title = f"A bad batch on {_ranks(bad)}: {kind} born in {_where(top)} at step {step:,}"
@@ -94,7 +95,7 @@ def skip_disagreement(group: RunGroup, overview: Optional[Any] = None) -> list[F
     first = steps[0]
     return [Finding(
         "rank-skip-disagreement", "error",
-        f"Ranks disagree on skipping {len(steps)} step(s), first at step {first:,}",
+        f"Ranks disagree on skipping {counted(len(steps), 'step')}, first at step {first:,}",
         (steps[0], steps[-1]),
         f"step {first:,}: {int(g.loc[first, 'skipped_ranks'])} of {int(g.loc[first, 'ranks'])} ranks skipped; "
         f"steps: {', '.join(f'{s:,}' for s in steps[:10])}{' ...' if len(steps) > 10 else ''}",

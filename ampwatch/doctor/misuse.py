@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from .finding import Finding, num, span
+from .finding import Finding, counted, num, span
 from ..store.reader import clip_threshold
 from .facts import Facts
 
@@ -32,7 +32,7 @@ def misuse_config(facts: Facts) -> list[Finding]:
         skipped = int(facts.steps["skipped"].sum())
         out.append(facts.finding(
             "misuse-scaler-bf16", "warning", "GradScaler used with bfloat16 autocast: not needed", first, last,
-            f"amp_dtype=bfloat16 with an enabled GradScaler; {skipped:,} step(s) skipped",
+            f"amp_dtype=bfloat16 with an enabled GradScaler; {counted(skipped, 'step')} skipped",
             "bf16 has fp32's exponent range, so loss scaling buys nothing and costs skipped steps: "
             "drop the scaler (loss.backward(); optimizer.step()) or GradScaler(enabled=False).",
             jump=(first, last)))
@@ -110,7 +110,7 @@ def clip_evidence(facts: Facts, noticed: list[int], once: bool = False) -> tuple
                 f"{_steps_text(checked)}): the loop clips scaled gradients on every step, steps "
                 f"{first:,}-{facts.last_step:,}"), facts.last_step
     of = f" of {len(checked):,} checked (every layer_every={every} steps)" if every and len(checked) > 1 else ""
-    return (f"the recorder saw the gradients shrink without scaler.unscale_ at {len(noticed):,} step(s){of}: "
+    return (f"the recorder saw the gradients shrink without scaler.unscale_ at {counted(len(noticed), 'step')}{of}: "
             f"{_steps_text(noticed)}"), noticed[-1]
 
 
@@ -149,7 +149,7 @@ def misuse_notices(facts: Facts) -> list[Finding]:
     for code, g in n.groupby("code", sort=False):
         steps = sorted({int(x) for x in g["step"].dropna()}) or [facts.first_step]
         first, last = min(steps), max(steps)
-        evidence = f"recorder notice '{code}' at {len(g):,} step(s): {span(first, last)}"
+        evidence = f"recorder notice '{code}' at {counted(len(g), 'step')}: {span(first, last)}"
         if code == "clip-before-unscale":
             evidence, last = clip_evidence(facts, steps, once=" at step " not in str(g["message"].iloc[0]))
         out.append(facts.finding(
@@ -173,7 +173,7 @@ def run_crashed(facts: Facts) -> list[Finding]:
     tail = traceback_tail(facts.info.get("error"))
     last = tail[-1].strip() if tail else "no traceback was stored"
     step = facts.last_step + 1 if len(facts.steps) else 0
-    done = f"after {len(facts.steps):,} recorded step(s)" if len(facts.steps) else "before its first recorded step"
+    done = f"after {counted(len(facts.steps), 'recorded step')}" if len(facts.steps) else "before its first recorded step"
     return [facts.finding(
         "run-crashed", "error", f"The run crashed at step {step:,}: {last}", step, step,
         f"status crashed {done}; the traceback ends: " + " | ".join(t.strip() for t in tail),

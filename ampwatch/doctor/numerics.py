@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from .finding import DTYPE_MAX, FP16_MAX, Finding, num, span
+from .finding import DTYPE_MAX, FP16_MAX, Finding, counted, num, span
 from .facts import Facts
 from .origins import origin_advice
 
@@ -72,7 +72,7 @@ def grad_underflow(facts: Facts) -> list[Finding]:
     scale_txt = num(float(facts.scale_at()[first])) if facts.scaling else "1 (no scaler)"
     return [facts.finding(
         "grad-underflow", "warning",
-        f"Gradients underflow to zero at low loss scale ({len(hits)} parameter(s), worst {name})",
+        f"Gradients underflow to zero at low loss scale ({counted(len(hits), 'parameter')}, worst {name})",
         first, last,
         f"{name}: {frac:.0%} of gradient elements exactly zero at low scale (median over {len(low)} "
         f"recorded steps, scale {scale_txt} at step {first:,}) against "
@@ -229,7 +229,9 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     label = facts.module_label(module)
     what = {"forward": f"the forward output of {label}", "backward": f"the gradient {label} passes back",
             "loss": "the loss", "param_grad": f"the gradient of parameter {module}{facts.also(module)}"}[phase]
+    # "12,868 inf values", "1 NaN value"; uncounted (the accelerator path's maxima): "NaN/Inf values"
     count = f"{int(e['count']):,} " if pd.notna(e["count"]) else ""
+    values = "value" if pd.notna(e["count"]) and int(e["count"]) == 1 else "values"
     dtype = f", {e['dtype']}" if isinstance(e["dtype"], str) else ""
     dtype_name = e["dtype"] if isinstance(e["dtype"], str) else "float16"
     extra, advice = origin_advice(facts, module, phase, first, e["kind"], dtype_name)
@@ -244,9 +246,9 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     where = (f"; made in {module}'s own code (between its children), flowing into {into}"
              if isinstance(into, str) else "")
     facts.claims["nonfinite-origin"] = (module, phase)
-    evidence = (f"step {first:,}: {what} holds {count}{e['kind']} value(s){dtype}"
+    evidence = (f"step {first:,}: {what} holds {count}{e['kind']} {values}{dtype}"
                 + (" while its inputs were finite" if e["origin"] else "")
-                + f"; non-finite values at {len(bad_steps):,} step(s) ({span(bad_steps[0], bad_steps[-1])}),"
+                + f"; non-finite values at {counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])}),"
                   f" {same:,} of them born in the same place" + where + verdict + extra)
     kind = {"nan": "NaN", "inf": "Inf"}.get(e["kind"], "NaN/Inf")
     cls = facts.module_type(module)

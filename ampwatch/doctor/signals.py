@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from .finding import Finding, num
+from .finding import Finding, counted, num
 from ..store.reader import clip_threshold
 from .facts import Facts
 from .origins import describe_origins, origin_advice
@@ -86,7 +86,7 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
     parts = [f"step {p[0]:,}: {num(p[1])} vs median {num(p[2])} of the previous {OUTLIER_WINDOW} "
              f"({p[3]:.3g}x), {_aftermath(facts, p[0])}" for p in peaks[:5]]
     more = f"; and {len(peaks) - 5} more" if len(peaks) > 5 else ""
-    title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {len(peaks)} time(s): up to "
+    title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {counted(len(peaks), 'time')}: up to "
              f"{worst[3]:.3g}x the recent median (step {worst[0]:,})")
     return [facts.finding(id, "warning", title, hits[0][0], hits[-1][0], "; ".join(parts) + more, advice,
                           jump=facts.jump(worst[0], worst[0]))]

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from .facts import Facts
-from .finding import Finding, num, num_range, pct
+from .finding import Finding, counted, num, num_range, pct
 from .origins import origin_advice
 
 # Recurring overflow: GradScaler's defaults (growth_interval=2000) allow one probing skip per ~2000
@@ -109,12 +109,14 @@ def _recurring(facts: Facts) -> pd.DataFrame:
 def _origins_text(k: pd.DataFrame, limit: int = 3) -> str:
     g = k.groupby("label", sort=False)["step"].agg(["size", "min"]).sort_values(["size", "min"], ascending=[False, True])
     parts = [f"{label} at {n:,} step{'s' if n != 1 else ''}" for label, (n, _) in g.head(limit).iterrows()]
-    more = f"; {len(g) - limit} other origin(s)" if len(g) > limit else ""
+    more = f"; {counted(len(g) - limit, 'other origin')}" if len(g) > limit else ""
     return "; ".join(parts) + more
 
 
 def _steps_text(steps: list[int], limit: int = 12) -> str:
-    return ", ".join(f"{s:,}" for s in steps[:limit]) + (", ..." if len(steps) > limit else "")
+    """"step 7" or "steps 7, 9, 12, ..." (the first ``limit`` of them)."""
+    shown = ", ".join(f"{s:,}" for s in steps[:limit]) + (", ..." if len(steps) > limit else "")
+    return f"step {shown}" if len(steps) == 1 else f"steps {shown}"
 
 
 def warmup_skips(facts: Facts) -> list[Finding]:
@@ -125,12 +127,17 @@ def warmup_skips(facts: Facts) -> list[Finding]:
     from .scale import pow2
     ev = facts.events
     n_events = int(ev["step"].isin(w.skips).sum()) if len(ev) else 0
+    if len(w.skips) == 1:
+        title = f"Normal warm-up: step {w.last:,}, the first, skipped while the loss scale backed off"
+        which = f"{_steps_text(w.skips)}, the first step, skipped"
+    else:
+        title = (f"Normal warm-up: {len(w.skips)} skipped steps in a row while the loss scale backed off, "
+                 f"ended at step {w.last:,}")
+        which = f"{_steps_text(w.skips)} skipped back to back from the first step"
     return [facts.finding(
-        "warmup-skips", "info",
-        f"Normal warm-up: {len(w.skips)} skipped step(s) in a row while the loss scale backed off, ended at step {w.last:,}",
-        w.first, w.last,
-        f"steps {_steps_text(w.skips)} skipped back to back from the first step; scale {num(w.scale_from)} -> "
-        f"{num(w.scale_to)}; {n_events:,} gradient-overflow event(s) in them are expected",
+        "warmup-skips", "info", title, w.first, w.last,
+        f"{which}; scale {num(w.scale_from)} -> "
+        f"{num(w.scale_to)}; {counted(n_events, 'gradient-overflow event')} in them are expected",
         f"Nothing to fix: GradScaler starts high and halves until the gradients fit. To skip the warm-up, "
         f"start at init_scale={pow2(w.scale_to)}.",
         jump=(w.first, min(facts.last_step, w.last + 5)))]
@@ -147,7 +154,7 @@ def scale_probing(facts: Facts) -> list[Finding]:
     many = len(probes) >= SKIP_MIN_COUNT and len(probes) / n >= PROBE_RATE_WARN
     steps = [int(s) for s in probes["step"]]
     evidence = (f"{len(probes):,} of {n:,} steps after warm-up ({pct(len(probes), n)}) skipped right after the scale "
-                f"grew (growth_interval={gi}): steps {_steps_text(steps)}; overflow at {_origins_text(probes)}; "
+                f"grew (growth_interval={gi}): {_steps_text(steps)}; overflow at {_origins_text(probes)}; "
                 f"scale at those skips {num_range(probes['scale'].min(), probes['scale'].max())}")
     if many:
         advice = (f"The scaler grows the scale every {gi} clean steps and the next step overflows: raise growth_interval "
@@ -155,7 +162,7 @@ def scale_probing(facts: Facts) -> list[Finding]:
         title = f"The scaler's probing wastes {pct(len(probes), n)} of steps: growth_interval={gi} is too short"
     else:
         advice = "Nothing to fix: after each growth GradScaler may overflow once and back off (it finds its ceiling)."
-        title = f"{len(probes):,} skipped step(s) right after the scale grew: the scaler probing its ceiling"
+        title = f"{counted(len(probes), 'skipped step')} right after the scale grew: the scaler probing its ceiling"
     return [facts.finding("scale-probing", "warning" if many else "info", title, steps[0], steps[-1], evidence, advice)]
 
 
@@ -171,7 +178,7 @@ def recurring_overflow(facts: Facts) -> list[Finding]:
     steps = [int(s) for s in k["step"]]
     facts.claims["recurring-overflow"] = (top["module"], top["phase"])
     evidence = (f"{len(k):,} of {n:,} steps after warm-up skipped ({pct(len(k), n)}), none right after a growth of "
-                f"the scale: steps {_steps_text(steps)}; overflow born in {_origins_text(k)}")
+                f"the scale: {_steps_text(steps)}; overflow born in {_origins_text(k)}")
     if top["phase"] in ("none",):
         advice = "Turn localization on (ampwatch.attach(..., localize=True)) to see which module overflows."
     else:
@@ -180,7 +187,7 @@ def recurring_overflow(facts: Facts) -> list[Finding]:
         evidence += extra
         advice += "."
     return [facts.finding("recurring-overflow", "error" if rate >= SKIP_RATE_ERROR else "warning",
-                          f"Overflow keeps coming back from {top['label']}: {len(k):,} skipped step(s) after "
+                          f"Overflow keeps coming back from {top['label']}: {counted(len(k), 'skipped step')} after "
                           f"clean steps", steps[0], steps[-1], evidence, advice)]
 
 
@@ -195,9 +202,9 @@ def lone_skips(facts: Facts) -> list[Finding]:
     steps = [int(s) for s in rest["step"]]
     return [facts.finding(
         "late-skips", "info",
-        f"{len(steps):,} isolated skipped step(s) after warm-up: gradients overflowed at the scale they carried",
+        f"{counted(len(steps), 'isolated skipped step')} after warm-up: gradients overflowed at the scale they carried",
         steps[0], steps[-1],
-        f"steps {_steps_text(steps)} (scale {num(rest['scale'].max())} at the highest); overflow at {_origins_text(rest)}; "
+        f"{_steps_text(steps)} (scale {num(rest['scale'].max())} at the highest); overflow at {_origins_text(rest)}; "
         f"none right after a growth of the scale; the scaler halved the scale each time",
         "Nothing to fix while they stay rare: the gradients grew past what this scale leaves room for and "
         "GradScaler backed off. If they recur from the same place, that place is reported as a warning.")]
