@@ -38,7 +38,9 @@ def events_headline(ev: pd.DataFrame, found: list[dict]) -> tuple[str, str]:
         kind = "warning" if not found or any(f["severity"] != "info" for f in found) else "info"
     warm = ev[ev["warmup"]]
     if len(warm):
-        lines.append(f"{len(warm):,} gradient-overflow event(s) at steps {warm['step'].min()}–{warm['step'].max()}"
+        first, last = warm["step"].min(), warm["step"].max()
+        when = f"step {first}" if first == last else f"steps {first}–{last}"
+        lines.append(f"{len(warm):,} gradient-overflow event{'' if len(warm) == 1 else 's'} at {when}"
                      " happened during the scaler's warm-up: expected (it halves its initial scale until the"
                      " gradients fit), not a fault.")
     return kind, "  \n".join(lines)

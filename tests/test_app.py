@@ -330,7 +330,7 @@ def test_events_lead_with_the_root_cause_and_label_the_warmup():
     after = truth[(truth["step"] >= warm) | truth["phase"].isin(["forward", "loss"])].iloc[0]
     assert f"warm-up: **{after['module']}** ({after['phase']}" in text and f"at step {after['step']}" in text
     n_warm = int(((truth["step"] < warm) & ~truth["phase"].isin(["forward", "loss"])).sum())
-    assert n_warm > 0 and f"{n_warm:,} gradient-overflow event(s) at steps 0–{warm - 1}" in text
+    assert n_warm > 0 and f"{n_warm:,} gradient-overflow events at steps 0–{warm - 1}" in text
     shown = at.dataframe(key="events_table").value
     assert int(shown["warmup"].sum()) == n_warm
     nan_amax = _sql(SAMPLES / run, "SELECT COUNT(*) n FROM events WHERE amax IS NULL")["n"].iloc[0]

@@ -154,7 +154,9 @@ def test_scale_panel_says_why_it_is_empty_or_broken():
     fig = figures.overview_figure(bf16)
     assert any("no loss scale recorded" in a.text for a in fig.layout.annotations)
     steps = pd.DataFrame({"step": [0, 1, 2, 3], "loss_scale": [4.0, 0.0, 0.0, 2.0]})
-    assert figures.scale_note(steps) == "scale 0 at 2 step(s) (1–2): not drawable on a log axis, a gap"
+    assert figures.scale_note(steps) == "scale 0 at 2 steps (1–2): not drawable on a log axis, a gap"
+    assert figures.scale_note(steps.assign(loss_scale=[4.0, 0.0, 1.0, 2.0])) == \
+        "scale 0 at step 1: not drawable on a log axis, a gap"
     assert figures.scale_note(steps.assign(loss_scale=[4.0, 2.0, 1.0, 0.5])) is None
 
 

@@ -101,8 +101,9 @@ def scale_note(s: pd.DataFrame) -> Optional[str]:
         return "no loss scale recorded: no GradScaler (bf16 / fp32 runs need none)"
     zero = s["step"][scale <= 0]
     if len(zero):
-        return (f"scale 0 at {len(zero):,} step(s) ({int(zero.iloc[0])}–{int(zero.iloc[-1])}): "
-                "not drawable on a log axis, a gap")
+        where = (f"step {int(zero.iloc[0])}" if len(zero) == 1
+                 else f"{len(zero):,} steps ({int(zero.iloc[0])}–{int(zero.iloc[-1])})")
+        return f"scale 0 at {where}: not drawable on a log axis, a gap"
     return None
 
 

@@ -25,7 +25,7 @@ if view == "Gradient heatmap":
         st.stop()
     log = st.toggle("log colour scale", value=metric != "grad_zero_frac", key="layers_log")
     st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
-    st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {grid.width:,} step(s): "
+    st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {grid.width:,} step{'' if grid.width == 1 else 's'}: "
                f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf "
                f"{figures.nonfinite_what(metric)} (red)."
                + (" NaN/inf gradients are not marked here: the weights' norms are shown."
