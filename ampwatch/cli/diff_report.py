@@ -119,7 +119,8 @@ def _joined(gaps: list[Gap]) -> str:
 def _detail(g: Optional[Gap], what: str) -> str:
     if g is None:
         return f"no {what} parts on the steps both runs recorded {what}s"
-    more = f"; {g.others} more {what}(s) part at that step" if g.others else ""
+    more = (f"; {counted(g.others, 'more ' + what)} {'parts' if g.others == 1 else 'part'} at that step"
+            if g.others else "")
     return gap_line(g) + more
 
 
