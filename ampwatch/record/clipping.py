@@ -77,7 +77,9 @@ def _module(name: str) -> Any:
         return None
 
 
-def _wrap(original: Callable, computes_norm: bool) -> Callable:
+def _wrap(original: Callable) -> Callable:
+    computes_norm = getattr(original, "__name__", "") in _NORM_COMPUTING
+
     @functools.wraps(original)
     def clip(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
         # a clip inside a compiled function is not listened to: telling a listener would break
@@ -175,7 +177,7 @@ def listen(listener: Any) -> None:
                 module = _module(target[0])
                 original = getattr(module, target[1], None) if module is not None else None
                 if callable(original):
-                    wrapper = wrap(original, target[1] in _NORM_COMPUTING) if wrap is _wrap else wrap(original)
+                    wrapper = wrap(original)
                     _installed[target] = (original, wrapper)
                     setattr(module, target[1], wrapper)
 
