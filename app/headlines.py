@@ -5,6 +5,8 @@ from typing import Any
 
 import pandas as pd
 
+from ampwatch.doctor.finding import counted
+
 
 def findings_heading(found: list[dict]) -> str:
     """'Root causes' only over something to fix; notes that say 'nothing to fix' are not causes."""
@@ -40,7 +42,7 @@ def events_headline(ev: pd.DataFrame, found: list[dict]) -> tuple[str, str]:
     if len(warm):
         first, last = warm["step"].min(), warm["step"].max()
         when = f"step {first}" if first == last else f"steps {first}–{last}"
-        lines.append(f"{len(warm):,} gradient-overflow event{'' if len(warm) == 1 else 's'} at {when}"
+        lines.append(f"{counted(len(warm), 'gradient-overflow event')} at {when}"
                      " happened during the scaler's warm-up: expected (it halves its initial scale until the"
                      " gradients fit), not a fault.")
     return kind, "  \n".join(lines)

@@ -13,6 +13,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..doctor.finding import counted
+
 LOSS_COLOR, SCALE_COLOR, NORM_COLOR, LR_COLOR = "#1f77b4", "#9467bd", "#ff7f0e", "#17becf"
 SKIP_COLOR = "#d62728"
 GROWTH_COLOR = "#2ca02c"
@@ -102,7 +104,7 @@ def scale_note(s: pd.DataFrame) -> Optional[str]:
     zero = s["step"][scale <= 0]
     if len(zero):
         where = (f"step {int(zero.iloc[0])}" if len(zero) == 1
-                 else f"{len(zero):,} steps ({int(zero.iloc[0])}–{int(zero.iloc[-1])})")
+                 else f"{counted(len(zero), 'step')} ({int(zero.iloc[0])}–{int(zero.iloc[-1])})")
         return f"scale 0 at {where}: not drawable on a log axis, a gap"
     return None
 

@@ -5,6 +5,7 @@ import formatting
 import loaders
 import state
 from ampwatch.dashboard import figures
+from ampwatch.doctor.finding import counted
 
 LABELS = {"flush_frac": "Flushed to zero (share of nonzero values)", "amax": "amax",
           "rel_err": "fp8 output error (vs high precision)", "sat_frac": "Saturated (share)"}
@@ -25,7 +26,7 @@ if g.values.size == 0:
     st.stop()
 st.plotly_chart(figures.heatmap_figure(g, log_color=loaders.FP8_METRICS[metric][1]), width="stretch",
                 key="fp8_heatmap")
-st.caption(f"{len(g.names)} layer casts × {g.values.shape[1]} columns of {g.width:,} step{'' if g.width == 1 else 's'}: the max in each; "
+st.caption(f"{len(g.names)} layer casts × {g.values.shape[1]} columns of {counted(g.width, 'step')}: the max in each; "
            f"{int(g.nonfinite.sum())} cells saw NaN/inf in the tensor (red). See docs/fp8.md.")
 formatting.download(loaders.grid_frame(g), f"{path.stem}_fp8_{metric}.csv")
 table = loaders.guarded(loaders.fp8_summary, str(path), key, path=path)

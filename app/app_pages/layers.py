@@ -5,6 +5,7 @@ import formatting
 import loaders
 import state
 from ampwatch.dashboard import figures
+from ampwatch.doctor.finding import counted
 
 path, key, row = state.page_run()
 st.title(f"Layers · {row['name']}")
@@ -25,7 +26,7 @@ if view == "Gradient heatmap":
         st.stop()
     log = st.toggle("log colour scale", value=metric != "grad_zero_frac", key="layers_log")
     st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
-    st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {grid.width:,} step{'' if grid.width == 1 else 's'}: "
+    st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {counted(grid.width, 'step')}: "
                f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf "
                f"{figures.nonfinite_what(metric)} (red)."
                + (" NaN/inf gradients are not marked here: the weights' norms are shown."
