@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -65,16 +67,53 @@ def test_attaching_changes_no_number(recorded, tmp_path):
     assert repr(plain["truth"]) == repr(recorded["truth"])  # repr: NaN norms of skipped steps compare equal
 
 
-def test_a_weight_gradient_overflow_in_lm_head_is_named_lm_head(tmp_path):
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory):
+    """ln_f's bias +100 on each element before iteration 3: a weight overwritten outside training."""
+    return ng.train(str(tmp_path_factory.mktemp("fault") / "fault.sqlite"), max_iters=5, fault=(3, 100.0),
+                    verbose=False)
+
+
+def test_a_weight_gradient_overflow_in_lm_head_is_named_lm_head(faulted):
     """ln_f's bias +100: lm_head's fp16 weight gradient overflows while every activation gradient
     stays finite. The tied tensor is first named transformer.wte.weight, but the embedding runs in
     fp32 and cannot overflow: the event names lm_head.weight, with the embedding as its alias."""
-    result = ng.train(str(tmp_path / "fault.sqlite"), max_iters=5, fault=(3, 100.0), verbose=False)
+    result = faulted
     run = ampwatch.load(result["path"])
     assert result["truth"]["skipped"][3]
     tied = run.events[run.events["aliases"] != ""]
     assert len(tied) and set(tied["module"]) == {"lm_head.weight"} and set(tied["phase"]) == {"param_grad"}
     assert set(tied["aliases"]) == {"transformer.wte.weight"} and set(tied["step"]) >= {3}
+
+
+def test_the_doctor_says_the_bias_was_overwritten_instead_of_nothing_to_fix(faulted, recorded):
+    """ln_f's bias starts at zero, so no ratio of its recorded norms can show it jumped, and the
+    overflow shows in another module (lm_head's weight gradient). AdamW moves each element by about
+    its learning rate a step; this bias moved by 100 an element in one step. Two rare skips would
+    otherwise read "nothing to fix"."""
+    name = "transformer.ln_f.bias"
+    with sqlite3.connect(f"file:{faulted['path']}?mode=ro", uri=True) as conn:
+        rows = conn.execute("SELECT l.step, l.param_norm FROM layers l JOIN tensors t ON t.id = l.param_id "
+                            "WHERE t.name = ? AND l.grad_zero_frac IS NOT NULL AND l.step <= 3 ORDER BY l.step",
+                            (name,)).fetchall()
+    (s0, before), (s1, after) = rows[-2:]
+    # the ground truth, from the loop: zeros at init, then +100 on each of its 32 elements at step 3
+    assert (s0, s1) == (0, 3) and before == 0.0 and after == pytest.approx(100 * math.sqrt(32), rel=1e-3)
+    reach = math.sqrt(32) * sum(faulted["truth"]["lr"][s0:s1])  # ~lr per element a step
+    findings = ampwatch.diagnose(faulted["path"])
+    hit = [f for f in findings if "something overwrote it" in f.advice]
+    assert len(hit) == 1 and hit[0].advice.startswith(name), [(f.id, f.advice) for f in findings]
+    f = hit[0]
+    assert f.severity == "warning" and f.cause is None and f.steps[0] == 3
+    m = re.search(rf"the norm of {re.escape(name)} went from 0 to ([\d,.]+) between steps 0 and 3, "
+                  r"([\d,]+)x as far as AdamW moves it in 3 steps", f.evidence)
+    assert m, f.evidence
+    assert float(m.group(1).replace(",", "")) == pytest.approx(after, abs=0.5)
+    assert float(m.group(2).replace(",", "")) == pytest.approx((after - before) / reach, rel=1e-3)
+    assert "checkpoint saved by the end of step 2" in f.advice
+    assert not any("Nothing to fix" in x.advice for x in findings)
+    # the same loop without the fault (its first steps skipped at the start scale): no such claim
+    assert not [x for x in ampwatch.diagnose(recorded["path"]) if "overwrote" in x.advice + x.evidence]
 
 
 def test_the_doctor_names_the_tied_weight_by_the_module_that_overflowed(tmp_path):

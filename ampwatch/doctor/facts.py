@@ -8,6 +8,7 @@ query that filters or aggregates inside SQLite and returns only the rows that ca
 from __future__ import annotations
 
 import json
+import math
 import sys
 from contextlib import contextmanager
 from functools import cached_property
@@ -272,6 +273,24 @@ class Facts:
                          " ORDER BY step, module_id", (last, self._ids(names)))
         df["amax"] = df["amax"].astype(float)
         return self._named(df, "module_id", "module")
+
+    def param_numel(self, name: str) -> Optional[int]:
+        """The element count recorded for parameter ``name``; None where it is not known."""
+        t = self.tensors
+        row = t[(t["kind"] == "param") & (t["name"] == name)]
+        if not len(row) or pd.isna(row["numel"].iloc[0]):
+            return None
+        return int(row["numel"].iloc[0])
+
+    def lr_sum(self, first: int, last: int) -> Optional[float]:
+        """The sum of the learning rates recorded for steps ``first`` to ``last - 1``: the updates
+        between a parameter norm measured before step ``first``'s update and one measured before step
+        ``last``'s. None where a step of the range has no row or no finite learning rate."""
+        n, known, total = self._conn.execute(
+            "SELECT COUNT(*), COUNT(lr), SUM(lr) FROM steps WHERE step >= ? AND step < ?", (first, last)).fetchone()
+        if n != last - first or known != n or total is None or not math.isfinite(total):
+            return None
+        return float(total)
 
     def last_param_norms(self, prefix: str, step: int) -> dict[str, list[tuple[int, float]]]:
         """The last two recorded (step, parameter norm) of each parameter named ``prefix...`` up to

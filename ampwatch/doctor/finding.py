@@ -56,7 +56,8 @@ def worst(findings: list[Finding]) -> Optional[str]:
 # -- formatting helpers -----------------------------------------------------------------------------
 
 def num(x: Any) -> str:
-    """1,234 for integers, 3 significant digits otherwise, 2^k for exact powers of two as a hint."""
+    """1,234 for integers and for values from 1,000 to 100,000, 3 significant digits otherwise, 2^k
+    for exact powers of two as a hint."""
     if x is None:
         return "n/a"
     x = float(x)
@@ -64,7 +65,12 @@ def num(x: Any) -> str:
         return "NaN"
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
-    text = f"{int(x):,}" if x.is_integer() and abs(x) < 1e15 else f"{x:.3g}"
+    if x.is_integer() and abs(x) < 1e15:
+        text = f"{int(x):,}"
+    elif 1e3 <= abs(x) < 1e5:  # 1,697, not 1.7e+03: as many digits, read at a glance
+        text = f"{x:,.0f}"
+    else:
+        text = f"{x:.3g}"
     if x > 0:
         k = math.log2(x)
         if k.is_integer() and abs(k) >= 4:

@@ -6,13 +6,27 @@ from typing import Optional
 
 import pandas as pd
 
-from .finding import DTYPE_MAX, FP16_MAX, num
+from .finding import DTYPE_MAX, FP16_MAX, counted, num
 from .facts import Facts
 
 # A parameter whose norm grew 10x between two recorded steps did not get there by training (Adam
 # moves each weight by ~lr per step; SGD by lr x grad): it was overwritten (a bad load, a corrupted
 # update, an in-place bug). Healthy runs change parameter norms by a few percent per recorded step.
 WEIGHT_JUMP = 10.0
+
+# That ratio says nothing about a parameter that started at zero (a bias), nor about one outside the
+# module where the overflow showed (a LayerNorm's bias feeding the next Linear). Adam-family
+# optimizers bound how far any parameter can move: each element by its learning rate times a ratio
+# of moment estimates a step (rarely above 1; at most ~7 with the default betas; Lion's is exactly
+# 1; Adagrad's at most 1). So a norm that grew by more than TRAINING_MOVE_LIMIT x sqrt(numel) x the
+# summed learning rates between two measurements (the triangle inequality: a norm grows by at most
+# the distance moved) was not moved there by the optimizer, whatever it started from. The margin
+# leaves room for other parameter groups' learning rates (the run records the first group's).
+LR_BOUNDED_OPTIMIZERS = frozenset({
+    "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "SparseAdam", "Lion", "FusedAdam",
+    "Adam8bit", "AdamW8bit", "Adam32bit", "AdamW32bit", "PagedAdam", "PagedAdamW", "PagedAdamW8bit",
+    "PagedAdamW32bit", "Lion8bit", "PagedLion"})
+TRAINING_MOVE_LIMIT = 1000.0
 
 
 # Modules whose forward is a matrix product or a lookup: an fp16 overflow inside them (products or
@@ -66,32 +80,70 @@ def fix_for_origin(module: str, phase: str) -> str:
             f"derivative is unbounded (sqrt/pow/div at 0) with an eps")
 
 
-def weight_jump(facts: Facts, module: str, step: int) -> Optional[tuple[str, float, float, int, int]]:
-    """The parameter of ``module`` whose norm jumped >= WEIGHT_JUMP x (or became NaN/inf) by
-    ``step``: (name, before, after, step before, step after), from the recorded parameter norms.
-    Norms are measured before the optimizer step, so a NaN update at ``step`` does not count."""
+def weight_jump(facts: Facts, module: str, step: int,
+                phase: str = "") -> Optional[tuple[str, float, float, int, int, Optional[float]]]:
+    """A parameter that did not get where it is by training, by ``step``: (name, norm before, norm
+    after, step before, step after, how far the optimizer could have moved it or None), from the
+    recorded parameter norms. First the parameters of ``module`` (for a ``param_grad`` origin, the
+    module that owns the parameter): one whose norm jumped >= WEIGHT_JUMP x or became NaN/inf. Then,
+    where the run's optimizer bounds its steps by the learning rate (Adam and its kin), every
+    parameter: the one whose norm grew the most beyond what the optimizer can move it
+    (TRAINING_MOVE_LIMIT). Norms are measured before the optimizer step, so a NaN update at
+    ``step`` does not count."""
     if module in ("loss", "<model>"):
         return None
+    if phase == "param_grad":  # the origin is a parameter's own gradient: look at its module
+        module = module.rsplit(".", 1)[0] if "." in module else module
     norms = facts.last_param_norms(module + ".", step)
     for name in sorted(norms):
         if len(norms[name]) >= 2:
             (s0, before), (s1, after) = norms[name]
             if before > 0 and math.isfinite(before) and not after < WEIGHT_JUMP * before:
-                return name, before, after, s0, s1
-    return None
+                return name, before, after, s0, s1, None
+    return _moved_beyond_training(facts, step)
 
 
-def jump_text(jump: tuple[str, float, float, int, int]) -> str:
-    name, before, after, s0, s1 = jump
+def _moved_beyond_training(facts: Facts, step: int) -> Optional[tuple[str, float, float, int, int, Optional[float]]]:
+    if str(facts.info.get("optimizer") or "") not in LR_BOUNDED_OPTIMIZERS:
+        return None
+    best, best_excess = None, 1.0
+    lr_sums: dict[tuple[int, int], Optional[float]] = {}
+    for name, rows in sorted(facts.last_param_norms("", step).items()):
+        if len(rows) < 2:
+            continue
+        (s0, before), (s1, after) = rows
+        # a growth of under 1% is no sign of anything, at any learning rate
+        if not (math.isfinite(before) and math.isfinite(after)) or after <= 1.01 * before:
+            continue
+        if (s0, s1) not in lr_sums:
+            lr_sums[s0, s1] = facts.lr_sum(s0, s1)
+        lr, numel = lr_sums[s0, s1], facts.param_numel(name)
+        if lr is None or not numel:
+            continue
+        reach = math.sqrt(numel) * lr  # how far the optimizer moves it, at about lr per element a step
+        excess = (after - before) / (TRAINING_MOVE_LIMIT * reach) if reach > 0 else math.inf
+        if excess > best_excess:
+            best, best_excess = (name, before, after, s0, s1, reach), excess
+    return best
+
+
+def jump_text(jump: tuple[str, float, float, int, int, Optional[float]], optimizer: str = "the optimizer") -> str:
+    name, before, after, s0, s1, reach = jump
     norms = f"{num(before)} -> {num(after)}"
     if not math.isfinite(after):
         return f"the weights of {name} became non-finite between steps {s0:,} and {s1:,} (norm {norms})"
+    if reach is not None:
+        went = f"the norm of {name} went from {num(before)} to {num(after)} between steps {s0:,} and {s1:,}"
+        if reach == 0:
+            return f"{went}, with a learning rate of 0 all that time"
+        return (f"{went}, {(after - before) / reach:,.0f}x as far as {optimizer} moves it in "
+                f"{counted(s1 - s0, 'step')} at the recorded learning rates (about {num(reach)})")
     return f"the norm of {name} jumped {after / before:.3g}x between steps {s0:,} and {s1:,} ({norms})"
 
 
-def restore_text(facts: Facts, jump: tuple[str, float, float, int, int], step: int) -> str:
+def restore_text(facts: Facts, jump: tuple[str, float, float, int, int, Optional[float]], step: int) -> str:
     """Which checkpoint holds the weight before it was overwritten, and what that bound rests on."""
-    name, _, _, s0, _ = jump
+    name, _, _, s0, _, _ = jump
     good = facts.last_good_step(step)
     measured = f"its norm was last measured normal at step {s0:,}"
     if good is None or good <= s0:
@@ -100,17 +152,23 @@ def restore_text(facts: Facts, jump: tuple[str, float, float, int, int], step: i
             f"with a finite loss and an applied update; {measured})")
 
 
+def overwrite_advice(facts: Facts, jumped: tuple[str, float, float, int, int, Optional[float]],
+                     step: int) -> tuple[str, str]:
+    """(extra evidence, advice) for a parameter :func:`weight_jump` found overwritten by ``step``."""
+    return (f"; {jump_text(jumped, str(facts.info.get('optimizer') or 'the optimizer'))}",
+            f"{jumped[0]} changed far more than training moves weights: something overwrote it (a bad "
+            f"checkpoint load, an in-place bug, a corrupted update). {restore_text(facts, jumped, step)} "
+            f"and find what wrote it")
+
+
 def origin_advice(facts: Facts, module: str, phase: str, step: int, kind: str = "inf",
                   dtype: str = "float16") -> tuple[str, str]:
     """(extra evidence, advice) for an overflow born in ``module``/``phase`` at ``step``: an
     overwritten weight if the recorded norms show one, else the fix for that kind of origin (for NaN
     born in a forward, the candidates: without an fp32 verdict its cause is not known)."""
-    jumped = weight_jump(facts, module, step)
+    jumped = weight_jump(facts, module, step, phase)
     if jumped:
-        return (f"; {jump_text(jumped)}",
-                f"{jumped[0]} changed far more than training moves weights: something overwrote it (a bad "
-                f"checkpoint load, an in-place bug, a corrupted update). {restore_text(facts, jumped, step)} "
-                f"and find what wrote it")
+        return overwrite_advice(facts, jumped, step)
     why = facts.unlocalized(step) if phase == "loss" else None
     if why is not None and not facts.info.get("localize"):
         return "", ("Recorded with localize=False, so the loss is the first place this run sees it: record with "

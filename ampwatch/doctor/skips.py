@@ -14,7 +14,7 @@ import pandas as pd
 
 from .facts import Facts
 from .finding import Finding, counted, num, num_range, pct
-from .origins import origin_advice
+from .origins import origin_advice, overwrite_advice, weight_jump
 
 # Recurring overflow: GradScaler's defaults (growth_interval=2000) allow one probing skip per ~2000
 # steps (0.05%). 2% is 40x that, and means 2% of the batches are thrown away; below 3 skips there is
@@ -200,12 +200,21 @@ def lone_skips(facts: Facts) -> list[Finding]:
     if not len(rest):
         return []
     steps = [int(s) for s in rest["step"]]
+    evidence = (f"{_steps_text(steps)} (scale {num(rest['scale'].max())} at the highest); overflow at "
+                f"{_origins_text(rest)}; none right after a growth of the scale; the scaler halved the scale each time")
+    first = rest.iloc[0]
+    # rare skips are nothing to fix, unless a weight was overwritten before them: the overflows follow from it
+    jumped = weight_jump(facts, str(first["module"]).split(",")[0], steps[0], str(first["phase"]))
+    if jumped:
+        extra, advice = overwrite_advice(facts, jumped, steps[0])
+        return [facts.finding(
+            "late-skips", "warning",
+            f"{counted(len(steps), 'isolated skipped step')} after warm-up, after {jumped[0]} changed far more than "
+            f"training moves it", steps[0], steps[-1], evidence + extra, advice + ".")]
     return [facts.finding(
         "late-skips", "info",
         f"{counted(len(steps), 'isolated skipped step')} after warm-up: gradients overflowed at the scale they carried",
-        steps[0], steps[-1],
-        f"{_steps_text(steps)} (scale {num(rest['scale'].max())} at the highest); overflow at {_origins_text(rest)}; "
-        f"none right after a growth of the scale; the scaler halved the scale each time",
+        steps[0], steps[-1], evidence,
         "Nothing to fix while they stay rare: the gradients grew past what this scale leaves room for and "
         "GradScaler backed off. If they recur from the same place, that place is reported as a warning.")]
 
