@@ -116,6 +116,23 @@ def test_the_doctor_says_the_bias_was_overwritten_instead_of_nothing_to_fix(faul
     assert not [x for x in ampwatch.diagnose(recorded["path"]) if "overwrote" in x.advice + x.evidence]
 
 
+def test_a_bf16_loss_spike_is_traced_to_the_overwritten_bias(tmp_path):
+    """bf16 without a scaler: nothing skips and nothing goes NaN when ln_f's bias is overwritten at
+    iteration 30; the loss jumps ~6x and stays up. The spike is seen at step 30 (with 30 steps of
+    history), and the norms measured at steps 20 and 40 show the bias moved far beyond AdamW's reach."""
+    result = ng.train(str(tmp_path / "bf16.sqlite"), max_iters=42, dtype="bfloat16", fault=(30, 100.0), verbose=False)
+    loss = result["truth"]["loss"]
+    assert loss[30] > 4 * max(loss[:30])  # the ground truth: the fault's step
+    findings = ampwatch.diagnose(result["path"])
+    spike = next(f for f in findings if f.id == "loss-spike")
+    assert spike.steps[0] == 30 and spike.evidence.startswith("step 30: ")
+    assert "of the previous 30 (" in spike.evidence  # not "of the previous 50": there were 30
+    assert "the norm of transformer.ln_f.bias went from " in spike.evidence
+    assert " between steps 20 and 40, " in spike.evidence and "x as far as AdamW moves it in 20 steps" in spike.evidence
+    assert spike.advice.startswith("transformer.ln_f.bias changed far more than training moves weights")
+    assert "checkpoint saved by the end of step 29" in spike.advice
+
+
 def test_the_doctor_names_the_tied_weight_by_the_module_that_overflowed(tmp_path):
     """Without a GradScaler (a hand-scaled fp16 loss) a weight-gradient overflow is an error finding."""
     torch.manual_seed(0)

@@ -282,6 +282,13 @@ class Facts:
             return None
         return int(row["numel"].iloc[0])
 
+    def next_detail_step(self, step: int) -> Optional[int]:
+        """The first step at or after ``step`` whose parameter norms were measured (a ``layer_every``
+        step or a bad one), or None."""
+        row = self._conn.execute("SELECT step FROM layers WHERE step >= ? AND grad_zero_frac IS NOT NULL "
+                                 "ORDER BY step LIMIT 1", (step,)).fetchone()
+        return None if row is None else int(row[0])
+
     def lr_sum(self, first: int, last: int) -> Optional[float]:
         """The sum of the learning rates recorded for steps ``first`` to ``last - 1``: the updates
         between a parameter norm measured before step ``first``'s update and one measured before step

@@ -127,6 +127,17 @@ def _moved_beyond_training(facts: Facts, step: int) -> Optional[tuple[str, float
     return best
 
 
+def overwritten_around(facts: Facts, step: int) -> Optional[tuple[str, float, float, int, int, Optional[float]]]:
+    """A parameter moved beyond what training moves it (Adam-family runs) between the last norm
+    measurement before ``step`` and the first at or after it: a weight overwritten around an event at
+    ``step`` that measured no norms itself (a loss spike)."""
+    at = facts.next_detail_step(step)
+    if at is None:
+        return None
+    jumped = _moved_beyond_training(facts, at)
+    return jumped if jumped is not None and jumped[3] < step <= jumped[4] else None
+
+
 def jump_text(jump: tuple[str, float, float, int, int, Optional[float]], optimizer: str = "the optimizer") -> str:
     name, before, after, s0, s1, reach = jump
     norms = f"{num(before)} -> {num(after)}"

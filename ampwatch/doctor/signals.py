@@ -10,7 +10,7 @@ import pandas as pd
 from .finding import Finding, counted, num
 from ..store.reader import clip_threshold
 from .facts import Facts
-from .origins import describe_origins, origin_advice
+from .origins import describe_origins, origin_advice, overwrite_advice, overwritten_around
 
 
 # Loss spikes / grad-norm explosions: a point must stand out three ways against the previous 50
@@ -34,14 +34,18 @@ RISE_MIN_STEPS = 50
 
 
 def outliers(steps: pd.Series, values: pd.Series, z: float, ratio: float, over_max: float) -> list[tuple]:
-    """(step, value, median, ratio) of robust upward outliers against the previous OUTLIER_WINDOW.
+    """(step, value, median, ratio, values before it in the window) of robust upward outliers against
+    the previous OUTLIER_WINDOW.
 
     The spread is the trailing median of each point's absolute deviation from its own trailing
     median: a rolling-window MAD that pandas computes in C (a per-window MAD would be a Python loop).
     """
     v = pd.Series(values.to_numpy(dtype=float))
     med = v.rolling(OUTLIER_WINDOW, min_periods=OUTLIER_MIN_HISTORY).median().shift(1)
-    mad = (v - med).abs().rolling(OUTLIER_WINDOW, min_periods=OUTLIER_MIN_HISTORY).median().shift(1) * 1.4826
+    # the deviations exist only from step OUTLIER_MIN_HISTORY on (where the median does): asking for
+    # OUTLIER_MIN_HISTORY of them as well left every outlier before step 40 unseen (a loss 6x its
+    # median at step 30: no finding); half as many is the spread of 10 deviations
+    mad = (v - med).abs().rolling(OUTLIER_WINDOW, min_periods=OUTLIER_MIN_HISTORY // 2).median().shift(1) * 1.4826
     spread = np.maximum(mad.to_numpy(), 1e-12)
     m = med.to_numpy()
     zscore = (v.to_numpy() - m) / spread
@@ -51,7 +55,8 @@ def outliers(steps: pd.Series, values: pd.Series, z: float, ratio: float, over_m
     guard = np.where(m > 0, (x >= ratio * m) & (x >= over_max * peak), zscore >= 2 * z)
     hits = np.flatnonzero((zscore >= z) & guard & np.isfinite(m))
     s = steps.to_numpy()
-    return [(int(s[i]), float(v[i]), float(m[i]), float(v[i] / m[i]) if m[i] > 0 else math.inf) for i in hits]
+    return [(int(s[i]), float(v[i]), float(m[i]), float(v[i] / m[i]) if m[i] > 0 else math.inf,
+             min(int(i), OUTLIER_WINDOW)) for i in hits]
 
 
 def _episodes(hits: list[tuple]) -> list[list[tuple]]:
@@ -83,12 +88,18 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
     episodes = _episodes(hits)
     peaks = [max(g, key=lambda h: h[3]) for g in episodes]
     worst = max(peaks, key=lambda h: h[3])
-    parts = [f"step {p[0]:,}: {num(p[1])} vs median {num(p[2])} of the previous {OUTLIER_WINDOW} "
+    parts = [f"step {p[0]:,}: {num(p[1])} vs median {num(p[2])} of the previous {p[4]} "
              f"({p[3]:.3g}x), {_aftermath(facts, p[0])}" for p in peaks[:5]]
     more = f"; and {len(peaks) - 5} more" if len(peaks) > 5 else ""
     title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {counted(len(peaks), 'time')}: up to "
              f"{worst[3]:.3g}x the recent median (step {worst[0]:,})")
-    return [facts.finding(id, "warning", title, hits[0][0], hits[-1][0], "; ".join(parts) + more, advice,
+    evidence = "; ".join(parts) + more
+    # the first spike's weights: one moved beyond what training moves it is the cause, not the batches
+    jumped = overwritten_around(facts, hits[0][0])
+    if jumped:
+        extra, fix = overwrite_advice(facts, jumped, hits[0][0])
+        evidence, advice = evidence + extra, fix + "."
+    return [facts.finding(id, "warning", title, hits[0][0], hits[-1][0], evidence, advice,
                           jump=facts.jump(worst[0], worst[0]))]
 
 
