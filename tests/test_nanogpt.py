@@ -131,6 +131,10 @@ def test_a_bf16_loss_spike_is_traced_to_the_overwritten_bias(tmp_path):
     assert " between steps 20 and 40, " in spike.evidence and "x as far as AdamW moves it in 20 steps" in spike.evidence
     assert spike.advice.startswith("transformer.ln_f.bias changed far more than training moves weights")
     assert "checkpoint saved by the end of step 29" in spike.advice
+    # the gradient norm exploded at the same step for the same reason: one root cause, not two
+    burst = next(f for f in findings if f.id == "grad-norm-explosion")
+    assert burst.steps[0] == 30 and burst.cause == "loss-spike" and spike.cause is None
+    assert [f.id for f in findings if f.cause is None] == ["loss-spike"]
 
 
 def test_the_doctor_names_the_tied_weight_by_the_module_that_overflowed(tmp_path):

@@ -99,6 +99,7 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
     if jumped:
         extra, fix = overwrite_advice(facts, jumped, hits[0][0])
         evidence, advice = evidence + extra, fix + "."
+        facts.claims[id] = (jumped[0], "overwritten")  # a gradient explosion it also explains follows the loss spike
     return [facts.finding(id, "warning", title, hits[0][0], hits[-1][0], evidence, advice,
                           jump=facts.jump(worst[0], worst[0]))]
 
