@@ -126,6 +126,7 @@ def test_a_bf16_loss_spike_is_traced_to_the_overwritten_bias(tmp_path):
     findings = ampwatch.diagnose(result["path"])
     spike = next(f for f in findings if f.id == "loss-spike")
     assert spike.steps[0] == 30 and spike.evidence.startswith("step 30: ")
+    assert spike.title.startswith("Loss spiked once: up to ")
     assert "of the previous 30 (" in spike.evidence  # not "of the previous 50": there were 30
     assert "the norm of transformer.ln_f.bias went from " in spike.evidence
     assert " between steps 20 and 40, " in spike.evidence and "x as far as AdamW moves it in 20 steps" in spike.evidence
