@@ -340,6 +340,10 @@ def test_loss_spike_and_grad_norm_explosion_after_corrupt_targets(runs):
     assert 100 <= boom.steps[0] <= 105
     loss = run.steps.set_index("step")["loss"]
     assert rules.num(loss[100]) in spike.evidence
+    # bf16 without a GradScaler: the advice clips without an unscale_ the loop has no scaler for
+    for f in (spike, boom):
+        assert "clip_grad_norm_(" in f.advice and "scaler" not in f.advice, f.advice
+        assert "e+" not in f.title and "e+" not in f.evidence, (f.title, f.evidence)
 
 
 def test_divergence_when_the_loss_keeps_rising(runs):

@@ -82,6 +82,11 @@ def _aftermath(facts: Facts, step: int) -> str:
     return "followed by " + " and ".join(notes) if notes else "no skip or NaN followed"
 
 
+def _times(ratio: float) -> str:
+    """73.1x, 1,071x: whole thousands read at a glance, not as 1.07e+03x."""
+    return f"{ratio:,.0f}x" if ratio >= 1000 else f"{ratio:.3g}x"
+
+
 def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advice: str) -> list[Finding]:
     if not hits:
         return []
@@ -89,11 +94,11 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
     peaks = [max(g, key=lambda h: h[3]) for g in episodes]
     worst = max(peaks, key=lambda h: h[3])
     parts = [f"step {p[0]:,}: {num(p[1])} vs median {num(p[2])} of the previous {p[4]} "
-             f"({p[3]:.3g}x), {_aftermath(facts, p[0])}" for p in peaks[:5]]
+             f"({_times(p[3])}), {_aftermath(facts, p[0])}" for p in peaks[:5]]
     more = f"; and {len(peaks) - 5} more" if len(peaks) > 5 else ""
     times = "once" if len(peaks) == 1 else counted(len(peaks), "time")
     title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {times}: up to "
-             f"{worst[3]:.3g}x the recent median (step {worst[0]:,})")
+             f"{_times(worst[3])} the recent median (step {worst[0]:,})")
     evidence = "; ".join(parts) + more
     # the first spike's weights: one moved beyond what training moves it is the cause, not the batches
     jumped = overwritten_around(facts, hits[0][0])
@@ -114,7 +119,9 @@ def loss_spike(facts: Facts) -> list[Finding]:
     advice = ("Look at the batches of these steps (corrupt or outlier samples, a data-loader bug); "
               "a lower learning rate or a longer warm-up helps"
               + (f"; gradients are clipped at max_norm={clip}, which bounds the damage." if clip else
-                 "; clip gradients (scaler.unscale_(opt); clip_grad_norm_(params, 1.0)) to bound the damage."))
+                 "; clip gradients (scaler.unscale_(opt); clip_grad_norm_(params, 1.0)) to bound the damage."
+                 if facts.scaling else
+                 "; clip gradients (clip_grad_norm_(params, 1.0) before optimizer.step()) to bound the damage."))
     return _outlier_finding(facts, "loss-spike", "Loss", hits, advice)
 
 
@@ -125,7 +132,9 @@ def grad_norm_explosion(facts: Facts) -> list[Finding]:
     hits = outliers(s["step"], s["grad_norm"], **GRAD_SPIKE)
     median = float(s["grad_norm"].median()) if len(s) else float("nan")
     clip = clip_threshold(facts.info)
-    advice = (f"Clip gradients after unscaling: scaler.unscale_(optimizer); "
+    how = "Clip gradients after unscaling: scaler.unscale_(optimizer); " if facts.scaling else \
+        "Clip gradients before optimizer.step(): "  # no GradScaler: nothing to unscale
+    advice = (f"{how}"
               f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={2 * median:.2g}) (2x the run's "
               f"median norm {median:.3g})" + (f"; the clip at max_norm={clip:g} already bounds the update"
                                               if clip else "")
