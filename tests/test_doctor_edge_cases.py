@@ -8,7 +8,8 @@ the doctor's words checked against it.
 * NaN born in a Linear without an fp32 verdict is "undetermined, likely an overflow", not "add an eps";
 * an overwritten weight's advice names a checkpoint the run had (the last good step);
 * clipping before unscale_ is reported on every affected step;
-* a step a replay could not localize does not make the loss its root cause (in tests/test_replay.py).
+* a step a replay could not localize does not make the loss its root cause (in tests/test_replay.py);
+* gradient underflow counts every parameter it names and says "1 recorded step", not "steps".
 """
 from __future__ import annotations
 
@@ -229,3 +230,38 @@ def test_clip_before_unscale_covers_every_step_it_happened(tmp_path, until):
         assert f.steps == (0, 11) and "on every step it checked from step 0 on (6 checks" in f.evidence
     else:
         assert f.steps == (0, 4) and "at 3 steps of 6 checked" in f.evidence
+
+
+# -- 5. gradient underflow: its words agree with its counts ------------------------------------------
+
+def _underflow_run(path, steps, *, init_scale, lr, layer_every):
+    """fp16 + GradScaler (no growth) on the MLP of :mod:`helpers.loops` fitting a tanh teacher."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10 ** 6)
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(16, 4, generator=g) / 4
+    with ampwatch.attach(model, opt, scaler, path=str(path), layer_every=layer_every) as watch:
+        for _ in range(steps):
+            x = torch.randn(32, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), torch.tanh(x @ teacher))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    return ampwatch.load(watch.path)
+
+
+def test_underflow_names_or_counts_every_parameter_and_says_step_once(tmp_path):
+    """At a scale of 2**-20 every gradient element of every parameter flushes to zero on the one
+    detail step (step 0): six parameters, one recorded step."""
+    run = _underflow_run(tmp_path / "u.sqlite", 3, init_scale=2.0 ** -20, lr=0.05, layer_every=10)
+    zero = run.layers[run.layers["grad_zero_frac"] >= 0.25]
+    assert sorted(set(zero["step"])) == [0] and zero["name"].nunique() == 6  # the truth, from the file
+    f = next(f for f in diagnose(run) if f.id == "grad-underflow")
+    assert "(6 parameters, worst " in f.title
+    assert "median over 1 recorded step," in f.evidence
+    named = f.evidence.split("; also ", 1)[1]
+    assert named.count(",") == 2 and named.endswith(" (+2 more)")  # 1 worst + 3 named + 2 counted = 6

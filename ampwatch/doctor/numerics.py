@@ -68,14 +68,15 @@ def grad_underflow(facts: Facts) -> list[Finding]:
     hits.sort(key=lambda h: -h[0])
     _, name, frac, base, low, has_base = hits[0]
     first, last = int(low["step"].min()), int(low["step"].max())
-    others = ", ".join(h[1] for h in hits[1:4])
+    # at most three more names, and how many are left out: the title counts every parameter
+    others = ", ".join(h[1] for h in hits[1:4]) + (f" (+{len(hits) - 4} more)" if len(hits) > 4 else "")
     scale_txt = num(float(facts.scale_at()[first])) if facts.scaling else "1 (no scaler)"
     return [facts.finding(
         "grad-underflow", "warning",
         f"Gradients underflow to zero at low loss scale ({counted(len(hits), 'parameter')}, worst {name})",
         first, last,
-        f"{name}: {frac:.0%} of gradient elements exactly zero at low scale (median over {len(low)} "
-        f"recorded steps, scale {scale_txt} at step {first:,}) against "
+        f"{name}: {frac:.0%} of gradient elements exactly zero at low scale (median over "
+        f"{counted(len(low), 'recorded step')}, scale {scale_txt} at step {first:,}) against "
         + (f"{base:.0%} at normal scale" if has_base else "no step at a normal scale to compare with")
         + (f"; also {others}" if others else ""),
         ("Use a GradScaler (torch.amp.GradScaler) so gradients are scaled into fp16's range."
