@@ -199,3 +199,19 @@ def test_the_docs_example_is_real_output(monkeypatch):
     for line in shown:
         if line != "...":
             assert line in result.output.splitlines(), line
+
+
+def test_layers_the_runs_do_not_share_are_not_compared_nor_said_to_agree():
+    """The Lightning sample names its layers "model.h.0...", the hand-written one "h.0...": no layer
+    or module is in both runs, so none is compared, which is not "no layer parts"."""
+    a, b = SAMPLES / "healthy_fp16.sqlite", SAMPLES / "lightning_fp16.sqlite"
+    layers = [set(ampwatch.load(p).layers["name"]) for p in (a, b)]
+    assert layers[0] and layers[1] and not layers[0] & layers[1]  # the truth, from the files
+    result = invoke(str(a), str(b))
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    assert "  layer    not compared: no layer recorded under the same name on a step both runs recorded" in lines
+    assert "  module   not compared: no module recorded under the same name on a step both runs recorded" in lines
+    assert f"           layers: {len(layers[0])} only in a, {len(layers[1])} only in b (none compared: no name " \
+           "in both runs on a step both recorded it)" in lines
+    assert "no layer parts" not in result.output and "compared on the names both have" not in result.output

@@ -85,8 +85,9 @@ def _coverage(d: RunDiff) -> list[str]:
             lines.append(f"           {counted(count, 'step')} only in {side} ({first}-{last}): not compared")
     for table, (only_a, only_b) in d.names_only.items():
         if only_a or only_b:
-            lines.append(f"           {table}: {only_a} only in a, {only_b} only in b "
-                         "(compared on the names both have)")
+            how = ("compared on the names both have" if d.detail_steps.get(table, 0)
+                   else "none compared: no name in both runs on a step both recorded it")
+            lines.append(f"           {table}: {only_a} only in a, {only_b} only in b ({how})")
     for fig in d.not_compared:
         lines.append(f"           {FIGURE_NAMES.get(fig, fig)} not compared: one run never recorded it")
     return lines
@@ -107,8 +108,8 @@ def _partings(d: RunDiff) -> list[str]:
         lines.append(f"  steps    {_joined(d.first_step)}")
     else:
         lines.append("  steps    loss, gradient norm, skipped steps and loss scale agree on every shared step")
-    lines.append(f"  layer    {_detail(d.first_layer, 'layer')}")
-    lines.append(f"  module   {_detail(d.first_module, 'module')}")
+    lines.append(f"  layer    {_detail(d.first_layer, 'layer', d.detail_steps.get('layers', 0))}")
+    lines.append(f"  module   {_detail(d.first_module, 'module', d.detail_steps.get('modules', 0))}")
     return lines
 
 
@@ -116,7 +117,9 @@ def _joined(gaps: list[Gap]) -> str:
     return f"at step {gaps[0].step}: " + "; ".join(gap_line(g, label=False) for g in gaps)
 
 
-def _detail(g: Optional[Gap], what: str) -> str:
+def _detail(g: Optional[Gap], what: str, compared_steps: int) -> str:
+    if g is None and not compared_steps:  # "no layer parts" would read as "the layers agree"
+        return f"not compared: no {what} recorded under the same name on a step both runs recorded"
     if g is None:
         return f"no {what} parts on the steps both runs recorded {what}s"
     more = (f"; {counted(g.others, 'more ' + what)} {'parts' if g.others == 1 else 'part'} at that step"
