@@ -9,7 +9,9 @@ the doctor's words checked against it.
 * an overwritten weight's advice names a checkpoint the run had (the last good step);
 * clipping before unscale_ is reported on every affected step;
 * a step a replay could not localize does not make the loss its root cause (in tests/test_replay.py);
-* gradient underflow counts every parameter it names and says "1 recorded step", not "steps".
+* gradient underflow counts every parameter it names and says "1 recorded step", not "steps";
+  gradients that are all zero because their units died are not underflow, and its advice never
+  asks for an init_scale the run already had.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch.nn import functional as F
 
 import ampwatch
 from ampwatch.doctor import diagnose
-from helpers.loops import amp_step, data
+from helpers.loops import amp_step, data, train
 
 FP16_MAX = 65504.0
 
@@ -265,3 +267,68 @@ def test_underflow_names_or_counts_every_parameter_and_says_step_once(tmp_path):
     assert "median over 1 recorded step," in f.evidence
     named = f.evidence.split("; also ", 1)[1]
     assert named.count(",") == 2 and named.endswith(" (+2 more)")  # 1 worst + 3 named + 2 counted = 6
+
+
+def test_units_that_died_are_not_called_underflow(tmp_path):
+    """lr=5 blows the MLP up: after step 8 its ReLUs are dead and every gradient but the last bias's
+    is exactly zero, at a scale of 2**14, where the same tensors' gradients had maxima far above
+    what flushes to zero. A scale that low flushes nothing of that size: not underflow."""
+    def attach(model, opt, scaler):
+        return ampwatch.attach(model, opt, scaler, path=str(tmp_path / "dead.sqlite"), layer_every=20)
+
+    _, watch, _ = train(60, lr=5.0, scaler_factory=lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 16),
+                        attach=attach)
+    run = ampwatch.load(watch.path)
+    lay = run.layers.merge(run.steps[["step", "loss_scale"]], on="step")
+    dead = lay[(lay["grad_amax"] == 0) & (lay["loss_scale"] >= 2.0 ** 14)]
+    assert {"0.weight", "2.weight"} <= set(dead["name"])  # the truth, from the file
+    alive = lay[(lay["name"] == "0.weight") & (lay["grad_amax"] > 0)]
+    assert (alive["grad_amax"] * dead["loss_scale"].min() > 1).all()  # far from fp16's flush
+    assert "grad-underflow" not in {f.id for f in diagnose(run)}
+
+
+class _Shrink(torch.autograd.Function):
+    """Identity forward; the gradient flowing back, in the output's fp16, times ``k``: one that
+    really underflows."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.k, None
+
+
+class _ShrinkGrad(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return _Shrink.apply(x, self.k)
+
+
+@pytest.mark.parametrize("init_scale, k", [(2.0 ** 16, 3e-11), (2.0 ** 24, 3e-13)])
+def test_underflow_advice_never_asks_for_a_scale_the_run_already_had(tmp_path, init_scale, k):
+    """0.weight's gradient is shrunk below fp16's range: at 2**16 (the run's own start, where the
+    old advice said init_scale=2**16) and at 2**19 after a warm-up from 2**24 (where it said to
+    lower init_scale to 2**16 and call it raising)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _ShrinkGrad(k), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "u.sqlite"), layer_every=5) as watch:
+        for step in range(12):
+            x, y = data(step)
+            amp_step(model, opt, scaler, x, y)
+    run = ampwatch.load(watch.path)
+    f = next(f for f in diagnose(run) if f.id == "grad-underflow")
+    assert "worst 0.weight" in f.title and "init_scale=2**16" not in f.advice
+    scale = run.steps.set_index("step")["loss_scale"][f.steps[0]]
+    if scale == init_scale:
+        assert scale == 2.0 ** 16 and "init_scale=2**24" in f.advice
+    else:
+        assert scale < init_scale and "A larger init_scale would not help" in f.advice
+    assert "keep the layers that produce 0.weight's gradient in fp32" in f.advice.lower()

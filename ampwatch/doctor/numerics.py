@@ -39,6 +39,19 @@ def _scaled_amax(facts: Facts, rows: pd.DataFrame) -> np.ndarray:
     return rows["grad_amax"].to_numpy(dtype=float) * np.where(np.isnan(scale), 1.0, scale)
 
 
+def _judged_amax(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` (one parameter's, in step order) with each all-zero gradient (max 0) given the
+    parameter's nearest nonzero maximum, the last before it, else the first after.
+
+    A gradient that is zero everywhere has no maximum left to show whether the scale was too low to
+    hold it or its units stopped receiving gradient (ReLUs that died after too large a step). If its
+    last measured size, at this step's scale, would still reach 1, flushing all of it would have
+    taken a 2**24-fold shrink in one detail interval: those zeros are not the scale's doing.
+    A parameter never seen nonzero keeps 0 (it counts as low scale, as before)."""
+    amax = rows["grad_amax"].where(rows["grad_amax"] > 0)
+    return rows.assign(grad_amax=amax.ffill().bfill().fillna(0.0))
+
+
 def grad_underflow(facts: Facts) -> list[Finding]:
     """Warning: many more exactly-zero gradient elements at low scale than at normal scale."""
     if not facts.fp16:
@@ -53,9 +66,9 @@ def grad_underflow(facts: Facts) -> list[Finding]:
     if not suspects:
         return []
     rows = facts.measured_grads(first, facts.healthy_end, suspects)
-    rows["low"] = _scaled_amax(facts, rows) < UNDERFLOW_SCALED_AMAX
     hits = []
     for name, g in rows.groupby("name", sort=False):
+        g = g.assign(low=_scaled_amax(facts, _judged_amax(g)) < UNDERFLOW_SCALED_AMAX)
         low, normal = g[g["low"]], g[~g["low"]]
         if not len(low):
             continue
@@ -79,10 +92,26 @@ def grad_underflow(facts: Facts) -> list[Finding]:
         f"{counted(len(low), 'recorded step')}, scale {scale_txt} at step {first:,}) against "
         + (f"{base:.0%} at normal scale" if has_base else "no step at a normal scale to compare with")
         + (f"; also {others}" if others else ""),
-        ("Use a GradScaler (torch.amp.GradScaler) so gradients are scaled into fp16's range."
-         if not facts.scaling else
-         "Raise the loss scale: init_scale=2**16 and the default growth_interval=2000; if the scale "
-         "collapsed first, fix that overflow (see scale-collapse)."))]
+        _underflow_advice(facts, name, float(facts.scale_at()[first]) if facts.scaling else None))]
+
+
+def _underflow_advice(facts: Facts, name: str, scale: Optional[float]) -> str:
+    """What to change; never an init_scale or growth_interval the run already had."""
+    if scale is None:
+        return "Use a GradScaler (torch.amp.GradScaler) so gradients are scaled into fp16's range."
+    init, gi = facts.info.get("init_scale"), facts.info.get("growth_interval")
+    if init is None or init < 2.0 ** 16 or (gi or 0) > 2000:
+        return ("Raise the loss scale: init_scale=2**16 and the default growth_interval=2000; if the scale "
+                "collapsed first, fix that overflow (see scale-collapse).")
+    keep = f"keep the layers that produce {name}'s gradient in fp32 (autocast disabled around them), or use bf16 autocast."
+    if scale < init:
+        return (f"A larger init_scale would not help: the run started at {num(init)} and the scaler backed off "
+                f"to {num(scale)} because larger scales overflowed. {keep[0].upper()}{keep[1:]} If those "
+                f"overflows are a fault (see the findings on skipped steps), fixing them lets the scale stay higher.")
+    if scale < 2.0 ** 24:
+        return (f"Start higher than the {num(scale)} these steps ran at, init_scale=2**24 (GradScaler backs off "
+                f"by itself where that overflows), or {keep}")
+    return f"{name}'s gradients are below fp16's range even at a loss scale of {num(scale)}: {keep[0].upper()}{keep[1:]}"
 
 
 def leaf_modules(facts: Facts) -> set[str]:
