@@ -22,10 +22,16 @@ def misuse_config(facts: Facts) -> list[Finding]:
     """Scaler with bf16 (unnecessary), fp16 without a scaler, a scaler without autocast."""
     info, out = facts.info, []
     if not len(facts.steps):
+        # Still running: the first step may not have ended. A run that ended without one recorded
+        # nothing it trained (a crash says why itself: run-crashed explains this finding).
+        status = info.get("status")
+        ended = status not in (None, "running")
         return [facts.finding(
-            "no-steps", "info", "No optimizer steps were recorded", 0, 0, "the steps table is empty",
-            "With a GradScaler a step is counted at scaler.update(); without one at optimizer.step(). "
-            "Check the loop calls them, or that the run has started.", jump=(0, 0))]
+            "no-steps", "warning" if ended else "info", "No optimizer steps were recorded", 0, 0,
+            f"the steps table is empty and the run is {status or 'running'}",
+            "With a GradScaler, even GradScaler(enabled=False), a step is counted at scaler.update(); "
+            "without one at optimizer.step(). Check the loop calls them"
+            + ("." if ended else ", or that the run has started."), jump=(0, 0))]
     first, last = facts.first_step, facts.last_step
     dtype, scaler = info.get("amp_dtype"), info.get("scaler_enabled")
     if scaler and dtype == "bfloat16":
