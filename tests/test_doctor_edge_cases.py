@@ -6,7 +6,8 @@ the doctor's words checked against it.
 * the recompute runs on the inputs the module actually received (a user's pre-hook that replaces
   them; on the accelerator path, not the last micro-batch's inputs when an earlier one overflowed);
 * NaN born in a Linear without an fp32 verdict is "undetermined, likely an overflow", not "add an eps";
-* an overwritten weight's advice names a checkpoint the run had (the last good step);
+* an overwritten weight's advice names a checkpoint the run had (the last good step), and a weight
+  that SGD's own updates blew up is not called overwritten;
 * clipping before unscale_ is reported on every affected step;
 * a step a replay could not localize does not make the loss its root cause (in tests/test_replay.py);
 * gradient underflow counts every parameter it names and says "1 recorded step", not "steps";
@@ -15,6 +16,8 @@ the doctor's words checked against it.
 * a run that ended with no step recorded is a warning (not "ok"), and the advice names a disabled GradScaler.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -368,3 +371,48 @@ def test_a_run_that_ended_without_a_step_is_a_warning_that_names_the_disabled_sc
     assert f.severity == "warning" and "GradScaler(enabled=False)" in f.advice and "finished" in f.evidence
     listed = CliRunner().invoke(cli, ["ls", str(tmp_path)])
     assert listed.exit_code == 0 and listed.output.splitlines()[1].endswith("warning: No optimizer steps were recorded")
+
+
+# -- 7. a weight blown up by the optimizer's own updates is not "overwritten" ----------------------------
+
+def test_a_weight_blown_up_by_sgd_updates_is_not_called_overwritten(tmp_path):
+    """SGD at lr=0.5 (momentum 0.9) on a regression whose gradients grow: an applied update of lr x a
+    gradient norm in the tens of thousands moves a bias 100x, and the next forward overflows fp16.
+    The doctor used to say "something overwrote it, restore a checkpoint". The truth, from the loop:
+    nothing but optimizer.step() wrote the weights, and it moved the named one at least as far as its
+    norm grew. So the advice is the learning rate or clipping, and the evidence bounds the jump by
+    SGD's reach."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=gen)
+    y = (x ** 2).sum(1, keepdim=True)
+    names = dict(model.named_parameters())
+    norms, moved = [], []  # per step, before its update: every parameter's norm; and how far step() moved it
+    with ampwatch.attach(model, opt, scaler, path=str(tmp_path / "sgd.sqlite"), layer_every=5) as watch:
+        for _ in range(40):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            before = {n: p.detach().clone() for n, p in names.items()}
+            norms.append({n: float(p.norm()) for n, p in before.items()})
+            scaler.step(opt)
+            scaler.update()
+            moved.append({n: float((p.detach() - before[n]).norm()) for n, p in names.items()})
+    origin = _origin(diagnose(ampwatch.load(watch.path)))
+    assert "overwrote" not in origin.advice and "Restore it" not in origin.advice
+    assert "lower the learning rate, or clip the gradients" in origin.advice
+    assert "after scaler.unscale_(optimizer)" in origin.advice
+    m = re.search(r"the norm of (\S+) jumped [\d.,]+x between steps (\d+) and (\d+) \(([\d.,]+) -> ([\d.,]+)\): no "
+                  r"farther than SGD moves it in \d+ steps? at the recorded learning rates and gradient norms", origin.evidence)
+    assert m, origin.evidence
+    name, s0, s1 = m.group(1), int(m.group(2)), int(m.group(3))
+    module = origin.title.split(" born in ")[1].split(" (")[0]
+    assert name.rsplit(".", 1)[0] == module  # a parameter of the origin's module
+    before, after = norms[s0][name], norms[s1][name]
+    assert after >= 10 * before  # the jump, measured by the loop
+    assert float(m.group(5).replace(",", "")) == pytest.approx(after, rel=0.01)
+    assert sum(moved[s][name] for s in range(s0, s1)) >= 0.99 * (after - before)  # optimizer.step() moved it there

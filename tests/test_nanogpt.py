@@ -128,8 +128,9 @@ def test_a_bf16_loss_spike_is_traced_to_the_overwritten_bias(tmp_path):
     assert spike.steps[0] == 30 and spike.evidence.startswith("step 30: ")
     assert spike.title.startswith("Loss spiked once: up to ")
     assert "of the previous 30 (" in spike.evidence  # not "of the previous 50": there were 30
-    assert "the norm of transformer.ln_f.bias went from " in spike.evidence
-    assert " between steps 20 and 40, " in spike.evidence and "x as far as AdamW moves it in 20 steps" in spike.evidence
+    # the bias had moved off zero by step 20: its norm jumped by a ratio, and far beyond AdamW's reach
+    assert re.search(r"the norm of transformer\.ln_f\.bias jumped [\d,.e+]+x between steps 20 and 40 \([\d.]+ -> [\d,]+\), "
+                     r"[\d,]+x as far as AdamW moves it in 20 steps", spike.evidence), spike.evidence
     assert spike.advice.startswith("transformer.ln_f.bias changed far more than training moves weights")
     assert "checkpoint saved by the end of step 29" in spike.advice
     # the gradient norm exploded at the same step for the same reason: one root cause, not two

@@ -299,6 +299,41 @@ class Facts:
             return None
         return float(total)
 
+    def gradient_reach(self, first: int, last: int, window: int = 100) -> Optional[float]:
+        """An upper bound, before any margin, on how far gradient-proportional updates (SGD's lr x
+        gradient) move a parameter between a norm measured before step ``first``'s update and one
+        measured before step ``last``'s: the learning rates of the applied steps summed, times the
+        largest finite gradient norm recorded on applied steps from ``window`` steps before ``first``
+        (momentum carries earlier gradients; its 1/(1 - momentum) is left to the caller's margin).
+        The global norm bounds every parameter's. Inf where an applied step's gradient was
+        non-finite (its update makes anything); None where a step of the range has no row, learning
+        rate or measured gradient norm."""
+        nan_bit = STEP_NAN_BITS["grad_norm"]
+        rows = self._conn.execute(
+            "SELECT step, lr, grad_norm, nan_mask & ? FROM steps WHERE step >= ? AND step < ? "
+            "AND skipped IS NOT 1", (nan_bit, first - window, last)).fetchall()
+        steps_in = self._conn.execute("SELECT COUNT(*) FROM steps WHERE step >= ? AND step < ?",
+                                      (first, last)).fetchone()[0]
+        if steps_in != last - first:
+            return None
+        lr_total, largest = 0.0, 0.0
+        for step, lr, norm, nan in rows:
+            inside = step >= first
+            if norm is None and not nan:
+                if inside:
+                    return None
+                continue
+            if nan or not math.isfinite(norm):
+                if inside:
+                    return math.inf
+                continue
+            largest = max(largest, float(norm))
+            if inside:
+                if lr is None or not math.isfinite(lr):
+                    return None
+                lr_total += float(lr)
+        return lr_total * largest
+
     def last_param_norms(self, prefix: str, step: int) -> dict[str, list[tuple[int, float]]]:
         """The last two recorded (step, parameter norm) of each parameter named ``prefix...`` up to
         ``step``, oldest first, by name; NaN for a non-finite norm.

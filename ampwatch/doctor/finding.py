@@ -78,6 +78,11 @@ def num(x: Any) -> str:
     return text
 
 
+def times(ratio: float) -> str:
+    """73.1x, 1,071x: whole thousands read at a glance, not as 1.07e+03x."""
+    return f"{ratio:,.0f}x" if ratio >= 1000 else f"{ratio:.3g}x"
+
+
 def counted(n: int, noun: str, plural: str = "") -> str:
     """"1 step", "2 steps", "1,024 values": the count and its noun, agreeing."""
     return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"

@@ -6,12 +6,14 @@ from typing import Optional
 
 import pandas as pd
 
-from .finding import DTYPE_MAX, FP16_MAX, counted, num
+from .finding import DTYPE_MAX, FP16_MAX, counted, num, times
 from .facts import Facts
 
-# A parameter whose norm grew 10x between two recorded steps did not get there by training (Adam
-# moves each weight by ~lr per step; SGD by lr x grad): it was overwritten (a bad load, a corrupted
-# update, an in-place bug). Healthy runs change parameter norms by a few percent per recorded step.
+# A parameter of the origin's module whose norm grew 10x between two recorded steps is suspect:
+# healthy runs change parameter norms by a few percent per recorded step. It was overwritten (a bad
+# load, a corrupted update, an in-place bug) unless the optimizer's own updates reach that far (an
+# SGD step of lr x a huge gradient does: then the updates blew it up, and the fix is the learning
+# rate or clipping, not a checkpoint).
 WEIGHT_JUMP = 10.0
 
 # That ratio says nothing about a parameter that started at zero (a bias), nor about one outside the
@@ -27,6 +29,13 @@ LR_BOUNDED_OPTIMIZERS = frozenset({
     "Adam8bit", "AdamW8bit", "Adam32bit", "AdamW32bit", "PagedAdam", "PagedAdamW", "PagedAdamW8bit",
     "PagedAdamW32bit", "Lion8bit", "PagedLion"})
 TRAINING_MOVE_LIMIT = 1000.0
+
+# Optimizers whose update is the learning rate times the gradient (with momentum, times at most
+# 1/(1 - momentum): within the same margin up to momentum 0.999): the recorded gradient norms bound
+# how far they move a parameter (Facts.gradient_reach).
+GRADIENT_BOUNDED_OPTIMIZERS = frozenset({"SGD", "ASGD"})
+
+Jump = tuple[str, float, float, int, int, Optional[float]]
 
 
 # Modules whose forward is a matrix product or a lookup: an fp16 overflow inside them (products or
@@ -80,30 +89,72 @@ def fix_for_origin(module: str, phase: str) -> str:
             f"derivative is unbounded (sqrt/pow/div at 0) with an eps")
 
 
-def weight_jump(facts: Facts, module: str, step: int,
-                phase: str = "") -> Optional[tuple[str, float, float, int, int, Optional[float]]]:
-    """A parameter that did not get where it is by training, by ``step``: (name, norm before, norm
-    after, step before, step after, how far the optimizer could have moved it or None), from the
-    recorded parameter norms. First the parameters of ``module`` (for a ``param_grad`` origin, the
-    module that owns the parameter): one whose norm jumped >= WEIGHT_JUMP x or became NaN/inf. Then,
-    where the run's optimizer bounds its steps by the learning rate (Adam and its kin), every
-    parameter: the one whose norm grew the most beyond what the optimizer can move it
-    (TRAINING_MOVE_LIMIT). Norms are measured before the optimizer step, so a NaN update at
-    ``step`` does not count."""
+def optimizer_reach(facts: Facts, name: str, first: int, last: int) -> Optional[float]:
+    """How far the run's optimizer moves parameter ``name`` between norms measured before steps
+    ``first`` and ``last``, before the TRAINING_MOVE_LIMIT margin: sqrt(numel) x the summed learning
+    rates under an Adam-family optimizer, the summed learning rates x the largest gradient norm under
+    SGD; None where the optimizer or the records do not bound it."""
+    optimizer = str(facts.info.get("optimizer") or "")
+    if optimizer in LR_BOUNDED_OPTIMIZERS:
+        lr, numel = facts.lr_sum(first, last), facts.param_numel(name)
+        return None if lr is None or not numel else math.sqrt(numel) * lr
+    if optimizer in GRADIENT_BOUNDED_OPTIMIZERS:
+        return facts.gradient_reach(first, last)
+    return None
+
+
+def _beyond(before: float, after: float, reach: Optional[float]) -> bool:
+    """Whether a norm that went ``before`` -> ``after`` moved farther than training could
+    (``reach``, None: not known, so no bound clears it)."""
+    if reach is None:
+        return True
+    if not math.isfinite(after):  # only a non-finite update makes a weight non-finite
+        return not math.isinf(reach)
+    return after - before > TRAINING_MOVE_LIMIT * reach
+
+
+def _module_jumps(facts: Facts, module: str, step: int, phase: str) -> list[Jump]:
+    """The parameters of ``module`` (for a ``param_grad`` origin, the module that owns the
+    parameter) whose norm jumped >= WEIGHT_JUMP x or became NaN/inf between their last two
+    measurements up to ``step``, with how far the optimizer could have moved them (or None)."""
     if module in ("loss", "<model>"):
-        return None
+        return []
     if phase == "param_grad":  # the origin is a parameter's own gradient: look at its module
         module = module.rsplit(".", 1)[0] if "." in module else module
     norms = facts.last_param_norms(module + ".", step)
+    jumps = []
     for name in sorted(norms):
         if len(norms[name]) >= 2:
             (s0, before), (s1, after) = norms[name]
             if before > 0 and math.isfinite(before) and not after < WEIGHT_JUMP * before:
-                return name, before, after, s0, s1, None
+                jumps.append((name, before, after, s0, s1, optimizer_reach(facts, name, s0, s1)))
+    return jumps
+
+
+def weight_jump(facts: Facts, module: str, step: int, phase: str = "") -> Optional[Jump]:
+    """A parameter that did not get where it is by training, by ``step``: (name, norm before, norm
+    after, step before, step after, how far the optimizer could have moved it or None), from the
+    recorded parameter norms. First the parameters of ``module`` (for a ``param_grad`` origin, the
+    module that owns the parameter): one whose norm jumped >= WEIGHT_JUMP x or became NaN/inf, farther
+    than the optimizer reaches (:func:`optimizer_reach`; where that is not known, the jump alone).
+    Then, where the run's optimizer bounds its steps by the learning rate (Adam and its kin), every
+    parameter: the one whose norm grew the most beyond what the optimizer can move it
+    (TRAINING_MOVE_LIMIT). Norms are measured before the optimizer step, so a NaN update at
+    ``step`` does not count."""
+    for jump in _module_jumps(facts, module, step, phase):
+        if _beyond(jump[1], jump[2], jump[5]):
+            return jump
     return _moved_beyond_training(facts, step)
 
 
-def _moved_beyond_training(facts: Facts, step: int) -> Optional[tuple[str, float, float, int, int, Optional[float]]]:
+def trained_jump(facts: Facts, module: str, step: int, phase: str = "") -> Optional[Jump]:
+    """A parameter of ``module`` whose norm jumped >= WEIGHT_JUMP x by ``step`` within what the
+    optimizer's updates reach: the updates themselves blew it up (too high a learning rate, an
+    unclipped huge gradient)."""
+    return next((j for j in _module_jumps(facts, module, step, phase) if not _beyond(j[1], j[2], j[5])), None)
+
+
+def _moved_beyond_training(facts: Facts, step: int) -> Optional[Jump]:
     if str(facts.info.get("optimizer") or "") not in LR_BOUNDED_OPTIMIZERS:
         return None
     best, best_excess = None, 1.0
@@ -127,7 +178,7 @@ def _moved_beyond_training(facts: Facts, step: int) -> Optional[tuple[str, float
     return best
 
 
-def overwritten_around(facts: Facts, step: int) -> Optional[tuple[str, float, float, int, int, Optional[float]]]:
+def overwritten_around(facts: Facts, step: int) -> Optional[Jump]:
     """A parameter moved beyond what training moves it (Adam-family runs) between the last norm
     measurement before ``step`` and the first at or after it: a weight overwritten around an event at
     ``step`` that measured no norms itself (a loss spike)."""
@@ -138,21 +189,29 @@ def overwritten_around(facts: Facts, step: int) -> Optional[tuple[str, float, fl
     return jumped if jumped is not None and jumped[3] < step <= jumped[4] else None
 
 
-def jump_text(jump: tuple[str, float, float, int, int, Optional[float]], optimizer: str = "the optimizer") -> str:
+def jump_text(jump: Jump, optimizer: str = "the optimizer") -> str:
+    """The evidence for a weight's jump: its norms, and how far the optimizer could have moved it."""
     name, before, after, s0, s1, reach = jump
     norms = f"{num(before)} -> {num(after)}"
     if not math.isfinite(after):
         return f"the weights of {name} became non-finite between steps {s0:,} and {s1:,} (norm {norms})"
-    if reach is not None:
+    if before > 0 and after >= WEIGHT_JUMP * before:
+        went = f"the norm of {name} jumped {times(after / before)} between steps {s0:,} and {s1:,} ({norms})"
+    else:
         went = f"the norm of {name} went from {num(before)} to {num(after)} between steps {s0:,} and {s1:,}"
-        if reach == 0:
-            return f"{went}, with a learning rate of 0 all that time"
-        return (f"{went}, {(after - before) / reach:,.0f}x as far as {optimizer} moves it in "
-                f"{counted(s1 - s0, 'step')} at the recorded learning rates (about {num(reach)})")
-    return f"the norm of {name} jumped {after / before:.3g}x between steps {s0:,} and {s1:,} ({norms})"
+    if reach is None:
+        return went
+    if reach == 0:
+        return f"{went}, with a learning rate of 0 all that time"
+    recorded = ("learning rates and gradient norms" if optimizer in GRADIENT_BOUNDED_OPTIMIZERS
+                else "learning rates")
+    moves = f"{optimizer} moves it in {counted(s1 - s0, 'step')} at the recorded {recorded} (about {num(reach)})"
+    if after - before > reach:
+        return f"{went}, {(after - before) / reach:,.0f}x as far as {moves}"
+    return f"{went}: no farther than {moves}"
 
 
-def restore_text(facts: Facts, jump: tuple[str, float, float, int, int, Optional[float]], step: int) -> str:
+def restore_text(facts: Facts, jump: Jump, step: int) -> str:
     """Which checkpoint holds the weight before it was overwritten, and what that bound rests on."""
     name, _, _, s0, _, _ = jump
     good = facts.last_good_step(step)
@@ -163,7 +222,7 @@ def restore_text(facts: Facts, jump: tuple[str, float, float, int, int, Optional
             f"with a finite loss and an applied update; {measured})")
 
 
-def overwrite_advice(facts: Facts, jumped: tuple[str, float, float, int, int, Optional[float]],
+def overwrite_advice(facts: Facts, jumped: Jump,
                      step: int) -> tuple[str, str]:
     """(extra evidence, advice) for a parameter :func:`weight_jump` found overwritten by ``step``."""
     return (f"; {jump_text(jumped, str(facts.info.get('optimizer') or 'the optimizer'))}",
@@ -180,6 +239,18 @@ def origin_advice(facts: Facts, module: str, phase: str, step: int, kind: str = 
     jumped = weight_jump(facts, module, step, phase)
     if jumped:
         return overwrite_advice(facts, jumped, step)
+    extra, advice = _origin_fix(facts, module, phase, step, kind, dtype)
+    grown = trained_jump(facts, module, step, phase)
+    if grown is None:
+        return extra, advice
+    unscale = ", after scaler.unscale_(optimizer)" if facts.info.get("scaler_enabled") else ""
+    return (f"{extra}; {jump_text(grown, str(facts.info.get('optimizer') or 'the optimizer'))}",
+            f"The optimizer's own updates blew {grown[0]} up: lower the learning rate, or clip the gradients "
+            f"(torch.nn.utils.clip_grad_norm_{unscale}) so that one huge gradient cannot move it that far. "
+            f"Then: {advice[0].lower()}{advice[1:]}")
+
+
+def _origin_fix(facts: Facts, module: str, phase: str, step: int, kind: str, dtype: str) -> tuple[str, str]:
     why = facts.unlocalized(step) if phase == "loss" else None
     if why is not None and not facts.info.get("localize"):
         return "", ("Recorded with localize=False, so the loss is the first place this run sees it: record with "

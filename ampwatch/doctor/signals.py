@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from .finding import Finding, counted, num
+from .finding import Finding, counted, num, times
 from ..store.reader import clip_threshold
 from .facts import Facts
 from .origins import describe_origins, origin_advice, overwrite_advice, overwritten_around
@@ -82,11 +82,6 @@ def _aftermath(facts: Facts, step: int) -> str:
     return "followed by " + " and ".join(notes) if notes else "no skip or NaN followed"
 
 
-def _times(ratio: float) -> str:
-    """73.1x, 1,071x: whole thousands read at a glance, not as 1.07e+03x."""
-    return f"{ratio:,.0f}x" if ratio >= 1000 else f"{ratio:.3g}x"
-
-
 def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advice: str) -> list[Finding]:
     if not hits:
         return []
@@ -94,11 +89,11 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
     peaks = [max(g, key=lambda h: h[3]) for g in episodes]
     worst = max(peaks, key=lambda h: h[3])
     parts = [f"step {p[0]:,}: {num(p[1])} vs median {num(p[2])} of the previous {p[4]} "
-             f"({_times(p[3])}), {_aftermath(facts, p[0])}" for p in peaks[:5]]
+             f"({times(p[3])}), {_aftermath(facts, p[0])}" for p in peaks[:5]]
     more = f"; and {len(peaks) - 5} more" if len(peaks) > 5 else ""
     times = "once" if len(peaks) == 1 else counted(len(peaks), "time")
     title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {times}: up to "
-             f"{_times(worst[3])} the recent median (step {worst[0]:,})")
+             f"{times(worst[3])} the recent median (step {worst[0]:,})")
     evidence = "; ".join(parts) + more
     # the first spike's weights: one moved beyond what training moves it is the cause, not the batches
     jumped = overwritten_around(facts, hits[0][0])
