@@ -91,8 +91,8 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
     parts = [f"step {p[0]:,}: {num(p[1])} vs median {num(p[2])} of the previous {p[4]} "
              f"({times(p[3])}), {_aftermath(facts, p[0])}" for p in peaks[:5]]
     more = f"; and {len(peaks) - 5} more" if len(peaks) > 5 else ""
-    times = "once" if len(peaks) == 1 else counted(len(peaks), "time")
-    title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {times}: up to "
+    how_often = "once" if len(peaks) == 1 else counted(len(peaks), "time")
+    title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {how_often}: up to "
              f"{times(worst[3])} the recent median (step {worst[0]:,})")
     evidence = "; ".join(parts) + more
     # the first spike's weights: one moved beyond what training moves it is the cause, not the batches
