@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import ampwatch
+from ampwatch.store import reader
 from ampwatch.store.guard import damaged_tables
 from helpers.loops import amp_step, data, mlp, snapshot, changed
 
@@ -197,6 +199,36 @@ def test_sigkill_inside_a_commit_keeps_every_earlier_commit(tmp_path):
     assert _contiguous(path) == last + 1  # the three completed commits, none of the torn fourth
     assert ampwatch.load(path).info["status"] == "interrupted"
     assert damaged_tables(path) == []
+    # the doctor says the run was killed, after the last committed step, not "health: ok"
+    ended = next(f for f in ampwatch.diagnose(path) if f.id == "run-interrupted")
+    assert ended.severity == "warning" and ended.title.startswith(f"The run stopped after step {last:,} ")
+    assert f"process {proc.pid} on {socket.gethostname()} is gone" in ended.evidence
+    assert f"the file holds {last + 1:,} steps" in ended.evidence and "OOM killer" in ended.advice
+
+
+def test_a_process_that_hangs_is_told_apart_from_one_that_was_killed(tmp_path, monkeypatch):
+    """SIGSTOP: the process lives on, its heartbeat goes silent. The reader's threshold for silence
+    (30 s) is lowered in this process only; the run file is the real one, still open by the writer."""
+    path = tmp_path / "hung.sqlite"
+    proc = subprocess.Popen([sys.executable, "-c", TRAIN_FOREVER.format(tests=TESTS, path=str(path))],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, **{PAUSE_ENV: "none:0"}))
+    try:
+        hits = 0
+        for raw in proc.stderr:
+            hits += raw.startswith("ampwatch-writer committed")
+            if hits >= 3:
+                break
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        monkeypatch.setattr(reader, "STALE_AFTER_S", 1.0)
+        assert ampwatch.load(path).info["status"] == "interrupted"
+        ended = next(f for f in ampwatch.diagnose(path) if f.id == "run-interrupted")
+        assert f"process {proc.pid} on {socket.gethostname()} is still alive" in ended.evidence
+        assert f"py-spy dump --pid {proc.pid}" in ended.advice and "OOM" not in ended.advice
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 BIG_CLOSE = textwrap.dedent("""

@@ -164,24 +164,3 @@ def misuse_notices(facts: Facts) -> list[Finding]:
             advice.get(code, "See the message: the recorder saw the training loop use the scaler "
                              "in an unexpected order."), jump=facts.jump(first, last)))
     return out
-
-
-def traceback_tail(error: Optional[str], lines: int = 3) -> list[str]:
-    """The last ``lines`` non-empty lines of a stored traceback (the exception's line last)."""
-    kept = [line.rstrip() for line in (error or "").strip().splitlines() if line.strip()]
-    return kept[-lines:]
-
-
-def run_crashed(facts: Facts) -> list[Finding]:
-    """Error: the training loop raised (status crashed): the exception's last line and its step."""
-    if facts.info.get("status") != "crashed":
-        return []
-    tail = traceback_tail(facts.info.get("error"))
-    last = tail[-1].strip() if tail else "no traceback was stored"
-    step = facts.last_step + 1 if len(facts.steps) else 0
-    done = f"after {counted(len(facts.steps), 'recorded step')}" if len(facts.steps) else "before its first recorded step"
-    return [facts.finding(
-        "run-crashed", "error", f"The run crashed at step {step:,}: {last}", step, step,
-        f"status crashed {done}; the traceback ends: " + " | ".join(t.strip() for t in tail),
-        "Fix the exception (ampwatch summary prints the traceback's last lines; the whole text is in run.error) "
-        "and resume from the last checkpoint.", jump=facts.jump(step, step))]

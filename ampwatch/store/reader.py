@@ -103,7 +103,7 @@ def check_schema(conn: sqlite3.Connection, p: Path) -> None:
                        f"up to {SCHEMA_VERSION}): upgrade ampwatch (pip install -U ampwatch)")
 
 
-def _pid_alive(pid: Optional[int]) -> bool:
+def pid_alive(pid: Optional[int]) -> bool:
     if not isinstance(pid, int) or pid <= 0:  # 0 or negative would ask about a process group
         return False
     try:
@@ -121,7 +121,7 @@ def effective_status(row: dict[str, Any], now: Optional[float] = None) -> str:
     if status != "running":
         return status
     import socket
-    if row.get("hostname") == socket.gethostname() and not _pid_alive(row.get("pid")):
+    if row.get("hostname") == socket.gethostname() and not pid_alive(row.get("pid")):
         return "interrupted"
     beat = row.get("heartbeat_at") or row.get("started_at") or 0
     if (now or time.time()) - beat > STALE_AFTER_S:
