@@ -285,6 +285,8 @@ def test_scale_collapse_points_at_the_forward_origin(runs):
     f = the(findings, "scale-collapse")
     assert f.severity == "error" and f.steps[0] == 40
     assert "at 1 (forward)" in f.title and "Keep 1 in fp32" in f.advice
+    # the loss scale multiplies only the gradients: a forward overflow is out of its reach
+    assert f.advice.startswith("It is born in the forward, which the loss scale does not touch")
     assert "20 consecutive skipped steps (steps 40-59)" in f.evidence
     first_below = int(run.steps.loc[run.steps["loss_scale"] < 1, "step"].min())
     assert f"below 1 from step {first_below}" in f.evidence

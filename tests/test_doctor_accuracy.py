@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampwatch
+from ampwatch.doctor.finding import num
 from ampwatch.record import torch_access
 
 transformers = pytest.importorskip("transformers")
@@ -246,6 +247,11 @@ def test_fault_gets_the_right_root_cause(fault_runs, fault, arch):
         assert root.steps[0] == step, (root.steps, step)
     if fault == "clip-before-unscale":
         assert root.steps[0] == 0
+    if fault == "scale-collapse":  # a backward overflow: the advice cites the lowest scale it still overflowed at
+        collapse = next(f for f in findings if f.id == "scale-collapse")
+        s = run.steps
+        lowest = float(s.loc[s["skipped"].astype(bool) & s["step"].between(*collapse.steps), "loss_scale"].min())
+        assert f"It still overflowed at a scale of {num(lowest)}" in collapse.advice, collapse.advice
     if verdict == "finite":
         assert "finite (max" in root.evidence and "range is the problem" in root.evidence
     elif verdict == "NaN":

@@ -75,7 +75,16 @@ def scale_collapse(facts: Facts) -> list[Finding]:
         evidence += f"; overflow born in {describe_origins(origins)}"
         extra, fix = origin_advice(facts, origins["module"].iloc[0], origins["phase"].iloc[0], first)
         evidence += extra
-        advice = f"The overflow does not go away at any scale, so halving cannot fix it. {fix}."
+        phase = origins["phase"].iloc[0]
+        lowest = float(scale[steps["step"].isin(skipped_in)].min()) if skipped_in else float(scale.min())
+        if phase in ("forward", "loss"):
+            why = (f"It is born in the {'loss' if phase == 'loss' else 'forward'}, which the loss scale does not "
+                   f"touch (the scale multiplies only the gradients), so halving cannot fix it")
+        else:
+            why = (f"It still overflowed at a scale of {num(lowest)}, so halving has not fixed it" if lowest >= 1 else
+                   f"It still overflowed at a scale of {num(lowest)}, below 1: the gradient is out of range (or "
+                   f"non-finite) unscaled, so halving cannot fix it")
+        advice = f"{why}. {fix}."
     else:
         advice = ("The gradients overflow at any scale: find the layer (localize=True records it) "
                   "and keep it in fp32, or use bf16 autocast.")
