@@ -104,14 +104,15 @@ def _underflow_advice(facts: Facts, name: str, scale: Optional[float]) -> str:
         return ("Raise the loss scale: init_scale=2**16 and the default growth_interval=2000; if the scale "
                 "collapsed first, fix that overflow (see scale-collapse).")
     keep = f"keep the layers that produce {name}'s gradient in fp32 (autocast disabled around them), or use bf16 autocast."
+    starts = "K" + keep[1:]  # the same clause, starting a sentence
     if scale < init:
         return (f"A larger init_scale would not help: the run started at {num(init)} and the scaler backed off "
-                f"to {num(scale)} because larger scales overflowed. {keep[0].upper()}{keep[1:]} If those "
+                f"to {num(scale)} because larger scales overflowed. {starts} If those "
                 f"overflows are a fault (see the findings on skipped steps), fixing them lets the scale stay higher.")
     if scale < 2.0 ** 24:
         return (f"Start higher than the {num(scale)} these steps ran at, init_scale=2**24 (GradScaler backs off "
                 f"by itself where that overflows), or {keep}")
-    return f"{name}'s gradients are below fp16's range even at a loss scale of {num(scale)}: {keep[0].upper()}{keep[1:]}"
+    return f"{name}'s gradients are below fp16's range even at a loss scale of {num(scale)}: {starts}"
 
 
 def leaf_modules(facts: Facts) -> set[str]:
