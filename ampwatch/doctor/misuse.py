@@ -2,7 +2,6 @@
 gradients, and the misuse the recorder noticed while recording."""
 from __future__ import annotations
 
-from typing import Optional
 
 import numpy as np
 

@@ -244,10 +244,14 @@ def origin_advice(facts: Facts, module: str, phase: str, step: int, kind: str = 
     if grown is None:
         return extra, advice
     unscale = ", after scaler.unscale_(optimizer)" if facts.info.get("scaler_enabled") else ""
+    if math.isfinite(grown[2]):
+        first = (f"The optimizer's own updates blew {grown[0]} up: lower the learning rate, or clip the gradients "
+                 f"(torch.nn.utils.clip_grad_norm_{unscale}) so that one huge gradient cannot move it that far")
+    else:  # an applied update with a non-finite gradient: clipping keeps NaN, a lower rate too
+        first = (f"An update with a non-finite gradient made {grown[0]} non-finite: skip such steps (a GradScaler "
+                 f"does; or step only when torch.isfinite(total_norm), the norm clip_grad_norm_ returns)")
     return (f"{extra}; {jump_text(grown, str(facts.info.get('optimizer') or 'the optimizer'))}",
-            f"The optimizer's own updates blew {grown[0]} up: lower the learning rate, or clip the gradients "
-            f"(torch.nn.utils.clip_grad_norm_{unscale}) so that one huge gradient cannot move it that far. "
-            f"Then: {advice[0].lower()}{advice[1:]}")
+            f"{first}. Then: {advice[0].lower()}{advice[1:]}")
 
 
 def _origin_fix(facts: Facts, module: str, phase: str, step: int, kind: str, dtype: str) -> tuple[str, str]:
