@@ -201,3 +201,32 @@ def test_bad_group_input_is_one_line(tmp_path):
     (tmp_path / "junk2.sqlite").write_bytes(b"")
     with pytest.raises(ampwatch.RunError, match="no readable run .*every file failed to open .first: "):
         ampwatch.load_group(tmp_path)
+
+
+def test_the_rank_that_was_killed_first_leads_the_job_report(tmp_path):
+    """Rank 1 SIGKILLs itself in step 6, as the OOM killer would (tests/helpers/dying_rank_worker.py);
+    rank 0's next all-reduce fails and it ends with gloo's exception. Per rank, that exception is the
+    only error, so the report used to lead with it ("fix the exception"). The job finding names rank 1,
+    and rank 0's crash is marked as following from it."""
+    from helpers.dying_rank_worker import DEATH_STEP, DYING_RANK
+    worker = Path(__file__).parent / "helpers" / "dying_rank_worker.py"
+    port = free_port()
+    procs = {r: subprocess.Popen([sys.executable, str(worker), str(r), str(tmp_path), port],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in (0, 1)}
+    codes = {r: p.wait(timeout=300) for r, p in procs.items()}
+    assert codes[DYING_RANK] == -9 and codes[0] != 0, procs[0].stderr.read()[-2000:]
+    dying = tmp_path / f"job.rank{DYING_RANK}.sqlite"
+    (last,), = _sql(dying, "SELECT MAX(step) FROM steps")
+    assert last == DEATH_STEP - 1  # every completed step was flushed before the kill
+    group = ampwatch.load_group(tmp_path)
+    job = diagnose_group(group)
+    assert job[0].id == "rank-stopped-first" and job[0].severity == "error"
+    assert job[0].title == f"Rank {DYING_RANK} was killed or lost first, after step {last}"
+    assert job[0].evidence.startswith(f"rank {DYING_RANK}: killed or lost (no exception), last heartbeat ")
+    assert "; rank 0: crashed at " in job[0].evidence and "s later)" in job[0].evidence
+    res = CliRunner().invoke(cli, ["doctor", str(tmp_path)])
+    assert res.exit_code == 1
+    assert res.output.splitlines()[0].split(None, 1)[1].strip() == (
+        f"error: Rank {DYING_RANK} was killed or lost first, after step {last}")
+    assert f"run-crashed  (step {DEATH_STEP})  [rank 0]  (follows rank-stopped-first)" in res.output
+    assert f"run-interrupted  (step {DEATH_STEP})  [rank {DYING_RANK}]\n" in res.output  # its own, no cause

@@ -119,7 +119,8 @@ def format_job_doctor(group: RunGroup, job: list[Finding], per_rank: list[tuple[
         lines += ["", "No findings: nothing in this job needs attention."]
     for f, ranks in [(f, None) for f in job] + per_rank:
         who = "" if ranks is None else "  [every rank]" if set(ranks) == every else f"  [rank {rank_list(ranks)}]"
-        lines += ["", f"{f.severity.upper():<8}{f.id}  ({_span(f)}){who}"]
+        follows = f"  (follows {f.cause})" if ranks is not None and f.cause and f.cause.startswith("rank-") else ""
+        lines += ["", f"{f.severity.upper():<8}{f.id}  ({_span(f)}){who}{follows}"]
         lines += wrap("", f.title) + wrap("evidence: ", f.evidence) + wrap("advice:   ", f.advice)
     return "\n".join(lines)
 

@@ -15,7 +15,8 @@ from ..store.reader import pid_alive
 
 def traceback_tail(error: Optional[str], lines: int = 3) -> list[str]:
     """The last ``lines`` non-empty lines of a stored traceback (the exception's line last)."""
-    kept = [line.rstrip() for line in (error or "").strip().splitlines() if line.strip()]
+    # Python 3.11's markers under the failing expression (^^^^, ~~~^^^) point at nothing here
+    kept = [line.rstrip() for line in (error or "").strip().splitlines() if line.strip(" ^~")]
     return kept[-lines:]
 
 
