@@ -231,6 +231,45 @@ def test_a_process_that_hangs_is_told_apart_from_one_that_was_killed(tmp_path, m
         proc.wait()
 
 
+STALLS = textwrap.dedent("""
+    import sys, time, torch, ampwatch
+    sys.path.insert(0, {tests!r})
+    from helpers.loops import amp_step, data, mlp
+    torch.set_num_threads(1)
+    model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = ampwatch.attach(model, opt, scaler, path={path!r}, flush_every_s=0.05)
+    for i in range(20):
+        amp_step(model, opt, scaler, *data(i % 7))
+    print("stalling", flush=True)
+    time.sleep(600)  # a hang: the process and its writer live on, training does not step
+""")
+
+
+def test_a_live_run_whose_training_hangs_is_reported_stalled(tmp_path, monkeypatch):
+    """The writer stamps its heartbeat on a timer, so a hung training thread reads 'running' forever;
+    the steps' own end times show the stall. The least silence worth a warning (60 s) is lowered in
+    this process only."""
+    from ampwatch.doctor import ending
+    path = tmp_path / "stalled.sqlite"
+    proc = subprocess.Popen([sys.executable, "-c", STALLS.format(tests=TESTS, path=str(path))],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stalling"
+        time.sleep(1.5)
+        run = ampwatch.load(path)
+        assert run.info["status"] == "running" and len(run.steps) == 20  # alive, every step flushed
+        assert "run-stalled" not in {f.id for f in ampwatch.diagnose(path)}  # 1.5 s is no stall
+        monkeypatch.setattr(ending, "STALL_MIN_S", 1.0)
+        stalled = next(f for f in ampwatch.diagnose(path) if f.id == "run-stalled")
+        assert stalled.severity == "warning" and stalled.title.startswith("No step has finished for ")
+        assert stalled.steps == (19, 19) and stalled.evidence.startswith("the last step, 19, ended at ")
+        assert "the writer is alive" in stalled.evidence and f"py-spy dump --pid {proc.pid}" in stalled.advice
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 BIG_CLOSE = textwrap.dedent("""
     import os, socket, time, torch
     from ampwatch.record.packing import PackReader, StepPack

@@ -1,5 +1,6 @@
-"""How the run ended, when it did not end well: a Python exception (crashed), or a process ended from
-outside without one (interrupted: killed, out of memory, preempted)."""
+"""How the run ended, when it did not end well: a Python exception (crashed), a process ended from
+outside without one (interrupted: killed, out of memory, preempted), or a live process whose training
+stopped stepping (stalled: a hang its still-beating writer would otherwise hide)."""
 from __future__ import annotations
 
 import socket
@@ -12,12 +13,54 @@ from .finding import Finding, counted
 from .facts import Facts
 from ..store.reader import pid_alive
 
+# A running run is stalled when no step has ended for STALL_FACTOR x its median recent step and at
+# least STALL_MIN_S (a first compile, an evaluation or a checkpoint save take a while: a minute is
+# the least silence worth a warning). The writer stamps its heartbeat on a timer, so a hung training
+# thread leaves the run "running" forever: the steps' own times are what show it.
+STALL_FACTOR = 20.0
+STALL_MIN_S = 60.0
+STALL_RECENT = 100
+
 
 def traceback_tail(error: Optional[str], lines: int = 3) -> list[str]:
     """The last ``lines`` non-empty lines of a stored traceback (the exception's line last)."""
     # Python 3.11's markers under the failing expression (^^^^, ~~~^^^) point at nothing here
     kept = [line.rstrip() for line in (error or "").strip().splitlines() if line.strip(" ^~")]
     return kept[-lines:]
+
+
+def run_stalled(facts: Facts, now: Optional[float] = None) -> list[Finding]:
+    """Warning: the run is running (its writer is alive) but no step has ended for far longer than
+    its steps take: training hangs (a collective waiting for a rank, a data loader, a deadlock)."""
+    info = facts.info
+    if info.get("status") != "running" or not len(facts.steps):
+        return []
+    recent = facts.ask("SELECT time, duration_s FROM steps WHERE step > ? ORDER BY step",
+                       (facts.last_step - STALL_RECENT,))
+    last_time = recent["time"].iloc[-1]
+    typical = recent["duration_s"].median()
+    if pd.isna(last_time):
+        return []
+    typical = float(typical) if pd.notna(typical) and typical > 0 else 0.0
+    silence = (now if now is not None else time.time()) - float(last_time)
+    if silence < max(STALL_MIN_S, STALL_FACTOR * typical):
+        return []
+    beat = info.get("heartbeat_at")
+    alive = (f"; the writer is alive (heartbeat {_duration(max(0.0, float(beat) - float(last_time)))} after that step), "
+             f"so the process lives but training is not stepping" if isinstance(beat, (int, float)) else "")
+    pid, host = info.get("pid"), info.get("hostname")
+    at = f"on {host}: " if host and host != socket.gethostname() else ""
+    return [facts.finding(
+        "run-stalled", "warning",
+        f"No step has finished for {_duration(silence)} (its steps take {_duration(typical)})",
+        facts.last_step, facts.last_step,
+        f"the last step, {facts.last_step:,}, ended at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(float(last_time)))}, "
+        f"{_duration(silence)} ago; the median of the last {counted(len(recent), 'step')} took {_duration(typical)}"
+        f"{alive}",
+        f"Training is stalled, not dead: see where it waits with {at}py-spy dump --pid {pid} (a collective waiting "
+        f"for a rank that died or took another branch, a data loader worker that hangs, a deadlock). A long "
+        f"evaluation or checkpoint save between steps looks the same: then it ends by itself.",
+        jump=facts.jump(facts.last_step, facts.last_step))]
 
 
 def run_interrupted(facts: Facts) -> list[Finding]:
@@ -65,6 +108,8 @@ def run_interrupted(facts: Facts) -> list[Finding]:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.3g} ms"
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 

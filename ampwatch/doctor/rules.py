@@ -15,7 +15,7 @@ from typing import Callable
 from .finding import Finding, num
 from .fp8 import ERR_FACTOR, ERR_MIN, FLUSH_WARN, fp8_cast_loss, fp8_output_error
 from .facts import Facts
-from .ending import run_crashed, run_interrupted
+from .ending import run_crashed, run_interrupted, run_stalled
 from .misuse import misuse_clip_scaled, misuse_config, misuse_notices
 from .numerics import (FP32_MODULE_TYPES, HEADROOM_FACTOR, HEADROOM_MIN_ROWS, UNDERFLOW_EXCESS,
                        UNDERFLOW_MIN_FRAC, UNDERFLOW_SCALED_AMAX, activation_headroom, grad_underflow,
@@ -31,7 +31,7 @@ from .signals import (GRAD_SPIKE, LOSS_SPIKE, OUTLIER_MIN_HISTORY, OUTLIER_WINDO
 
 # The order rules run in; causes.group() decides the report order.
 RULES: list[Callable[[Facts], list[Finding]]] = [
-    run_crashed, run_interrupted, warmup_skips, nonfinite_origin, divergence, scale_collapse, recurring_overflow, scale_probing,
+    run_crashed, run_interrupted, run_stalled, warmup_skips, nonfinite_origin, divergence, scale_collapse, recurring_overflow, scale_probing,
     lone_skips, scale_stuck_low,
     grad_underflow, activation_headroom, activation_trend, scale_falling, loss_spike, grad_norm_explosion,
     misuse_config, misuse_clip_scaled,
