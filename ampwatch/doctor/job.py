@@ -219,7 +219,7 @@ def diagnose_ranks(group: RunGroup, job: Optional[list[Finding]] = None) -> list
         for f in diagnose(run):
             if f.id == "warmup-skips" and any(f.steps[0] <= s <= f.steps[1] for s in origins):
                 continue
-            if first is not None and rank != first and f.id in ("run-crashed", "run-interrupted"):
+            if first is not None and rank != first and f.id in ("run-crashed", "run-interrupted", "run-stalled"):
                 f = replace(f, cause="rank-stopped-first")  # its end follows the first rank's
             key = (f.id, f.steps)
             if key in merged:
