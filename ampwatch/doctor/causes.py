@@ -16,14 +16,17 @@ from .finding import Finding, severity_rank
 
 # Findings that can be a cause, most fundamental first (an origin explains a recurring overflow,
 # which explains a collapse, which explains underflow; a loss spike and a gradient explosion that
-# name the same overwritten weight are one event, led by the spike).
-CAUSES = ("run-crashed", "run-interrupted", "nonfinite-origin", "recurring-overflow", "scale-collapse", "loss-spike")
+# name the same overwritten weight are one event, led by the spike; memory that keeps growing explains
+# a run the OOM killer ended, or one that crashed out of memory).
+CAUSES = ("run-crashed", "run-interrupted", "nonfinite-origin", "recurring-overflow", "scale-collapse", "loss-spike",
+          "memory-growth")
 # What each kind of consequence may be explained by, beyond a shared origin.
-EXPLAINED_BY = {"no-steps": ("run-crashed", "run-interrupted"), "grad-underflow": ("scale-collapse",),
+EXPLAINED_BY = {"no-steps": ("run-crashed", "run-interrupted"), "run-interrupted": ("memory-growth",),
+                "grad-underflow": ("scale-collapse",),
                 "divergence": ("nonfinite-origin",),
                 "scale-falling": ("nonfinite-origin", "recurring-overflow", "scale-collapse")}
 CONSEQUENCES = ("nonfinite-origin", "recurring-overflow", "scale-collapse", "divergence", "grad-underflow", "late-skips",
-                "loss-spike", "grad-norm-explosion", "no-steps", "scale-falling")
+                "loss-spike", "grad-norm-explosion", "no-steps", "scale-falling", "run-interrupted", "run-crashed")
 
 
 def _rank(f: Finding) -> tuple[int, int]:

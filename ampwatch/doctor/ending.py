@@ -119,6 +119,8 @@ def run_crashed(facts: Facts) -> list[Finding]:
         return []
     tail = traceback_tail(facts.info.get("error"))
     last = tail[-1].strip() if tail else "no traceback was stored"
+    if "out of memory" in last.lower() or "MemoryError" in last:
+        facts.claims["run-crashed"] = ("memory",)  # memory-growth, when found, explains it
     step = facts.last_step + 1 if len(facts.steps) else 0
     done = f"after {counted(len(facts.steps), 'recorded step')}" if len(facts.steps) else "before its first recorded step"
     return [facts.finding(

@@ -16,6 +16,7 @@ from .finding import Finding, num
 from .fp8 import ERR_FACTOR, ERR_MIN, FLUSH_WARN, fp8_cast_loss, fp8_output_error
 from .facts import Facts
 from .ending import run_crashed, run_interrupted, run_stalled
+from .memory import memory_growth
 from .misuse import misuse_clip_scaled, misuse_config, misuse_notices
 from .numerics import (FP32_MODULE_TYPES, HEADROOM_FACTOR, HEADROOM_MIN_ROWS, UNDERFLOW_EXCESS,
                        UNDERFLOW_MIN_FRAC, UNDERFLOW_SCALED_AMAX, activation_headroom, grad_underflow,
@@ -34,7 +35,7 @@ RULES: list[Callable[[Facts], list[Finding]]] = [
     run_crashed, run_interrupted, run_stalled, warmup_skips, nonfinite_origin, divergence, scale_collapse, recurring_overflow, scale_probing,
     lone_skips, scale_stuck_low,
     grad_underflow, activation_headroom, activation_trend, scale_falling, loss_spike, grad_norm_explosion,
-    misuse_config, misuse_clip_scaled,
+    misuse_config, misuse_clip_scaled, memory_growth,
     misuse_notices, step_not_reproduced, fp8_cast_loss, fp8_output_error,
 ]
 

@@ -31,6 +31,7 @@ from .runinfo import describe_run, module_aliases, parameter_table, resolve_path
 from .options import resolve
 from ..store.writer import RunWriter
 from .grads import GradMeter
+from .memory import memory_sampler
 from . import copies, deferred, fp8, kernelskip, keptweights, replay
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
@@ -188,7 +189,8 @@ class Watch:
             # the tracker is fed from the writer thread; the faces hand us how to open it
             mirror = self._open_mirror(self.options["mirror"], packs.param_names, packs.module_ids,
                                  self.observer.types if self.observer else [], str(self.path))
-        self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"], on_commit=mirror)
+        self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"], on_commit=mirror,
+                                sample=memory_sampler(self._device))
         log.info("recording to %s", self.path)
 
     def _install(self) -> None:

@@ -287,6 +287,18 @@ class Run:
         return self._table("metrics", "SELECT step, key, value FROM metrics ORDER BY step, key", _metrics)
 
     @property
+    def memory(self) -> pd.DataFrame:
+        """The process's memory in bytes, read at each commit (schema 7): ``step, host_rss,
+        device_allocated, device_reserved``; NaN where not read; empty for older files."""
+        columns = ["step", "host_rss", "device_allocated", "device_reserved"]
+        with guard(self.path), connect(self.path) as conn:
+            known = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory'").fetchone()
+        if not known:
+            return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else "float64") for c in columns})
+        return self._table("memory", f"SELECT {', '.join(columns)} FROM memory ORDER BY step",
+                           lambda df: df.astype({c: "float64" for c in columns[1:]}))
+
+    @property
     def notices(self) -> pd.DataFrame:
         return self._table("notices", "SELECT step, code, message FROM notices ORDER BY step")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TABLES = ("steps", "layers", "modules", "events", "metrics", "fp8_layers")
+TABLES = ("steps", "layers", "modules", "events", "metrics", "fp8_layers", "memory")
 
 
 @dataclass
@@ -18,6 +18,7 @@ class Rows:
     events: list[tuple] = field(default_factory=list)
     metrics: list[tuple] = field(default_factory=list)
     fp8_layers: list[tuple] = field(default_factory=list)
+    memory: list[tuple] = field(default_factory=list)
 
     def extend(self, other: "Rows") -> None:
         for name in TABLES:

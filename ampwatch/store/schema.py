@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-SCHEMA_VERSION = 6  # the number of migrations below; readers accept any version up to it
+SCHEMA_VERSION = 7  # the number of migrations below; readers accept any version up to it
 
 # SQLite stores a float NaN as NULL. Columns that may legitimately hold NaN get a bit in the row's
 # ``nan_mask`` so readers can tell "NaN" from "not measured" (see docs/schema.md).
@@ -192,6 +192,21 @@ def m006_fp8(db: Database) -> None:
             nonfinite INTEGER,               -- NaN/inf elements in the tensor
             PRIMARY KEY (step, module, role)
         ) WITHOUT ROWID;
+        """
+    )
+
+
+@migrations()
+def m007_memory(db: Database) -> None:
+    """The process's memory, read by the writer thread at each commit that holds new steps."""
+    db.executescript(
+        """
+        CREATE TABLE memory (
+            step INTEGER PRIMARY KEY,        -- the last step of the commit it was read at
+            host_rss REAL,                   -- bytes resident (Linux; NULL elsewhere)
+            device_allocated REAL,           -- bytes in tensors, CUDA caching allocator (NULL off CUDA)
+            device_reserved REAL             -- bytes the allocator holds (NULL off CUDA)
+        );
         """
     )
 

@@ -45,6 +45,7 @@ _TABLES = {
     "metrics": ("INSERT OR REPLACE", ("key", "step", "value")),
     "fp8_layers": ("INSERT OR REPLACE", ("step", "module", "role", "dtype", "scaling", "amax", "scale", "p99",
                                          "flush_frac", "sat_frac", "rel_err", "numel", "nonfinite")),
+    "memory": ("INSERT OR REPLACE", ("step", "host_rss", "device_allocated", "device_reserved")),
 }
 # bound variables a statement may hold: 32766 since SQLite 3.32, 999 before
 _MAX_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999
@@ -124,9 +125,13 @@ class RunWriter:
     guards itself)."""
 
     def __init__(self, path: str, to_rows: Callable[[Any], Rows], flush_every_s: float,
-                 on_commit: Optional[Callable[[Rows, dict, list], None]] = None) -> None:
+                 on_commit: Optional[Callable[[Rows, dict, list], None]] = None,
+                 sample: Optional[Callable[[int], Rows]] = None) -> None:
+        """``sample(step)``: rows read on this thread before each commit that holds new steps, for
+        the commit's last step (the process's memory)."""
         self.path = path
         self._on_commit = on_commit
+        self._sample = sample
         self.failure: Optional[BaseException] = None
         self._to_rows = to_rows
         self._flush_every_s = flush_every_s
@@ -233,6 +238,8 @@ class RunWriter:
                 else:
                     notices.append(payload)
             if stop or time.monotonic() - last_flush >= self._flush_every_s or pending.count() > 200_000:
+                if self._sample is not None and pending.steps:
+                    pending.extend(self._sample(pending.steps[-1][0]))
                 self._commit(conn, pending, info, notices)
                 if self._on_commit is not None:
                     self._on_commit(pending, info, notices)

@@ -1,0 +1,93 @@
+"""The process's memory, read by the writer thread at each commit (the ``memory`` table), and the
+doctor's ``memory-growth``: a real loop that keeps 2 MiB from every step, in its own process (its
+resident set is then the loop's alone), against the same loop that keeps nothing."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ampwatch
+from ampwatch.doctor import memory as memory_rule
+
+LEAK = 2 * 2 ** 20  # bytes kept from every step
+
+LOOP = textwrap.dedent("""
+    import os, signal, sys, time, torch, ampwatch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    kept = []
+    watch = ampwatch.attach(model, opt, scaler, path={path!r}, flush_every_s=0.02)
+    x, y = torch.randn(64, 64), torch.randn(64, 1)
+    for i in range(200):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        if {leak}:
+            kept.append(torch.ones({leak} // 4))  # a reference kept from every step: the leak
+        time.sleep(0.01)  # several commits, so several readings, a step
+    time.sleep(0.3)
+    with open("/proc/self/statm") as f:  # the truth at the end, read here, not by the writer
+        print(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), flush=True)
+    if {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a process
+    watch.close()
+""")
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="host memory is read on Linux")
+
+
+def _train(path, leak: int, kill: bool = False) -> int:
+    proc = subprocess.run([sys.executable, "-c", LOOP.format(path=str(path), leak=leak, kill=kill)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == (-signal.SIGKILL if kill else 0), proc.stderr[-2000:]
+    return int(proc.stdout.split()[-1])
+
+
+def test_memory_is_read_at_each_commit_and_a_steady_loop_is_not_a_leak(tmp_path):
+    path = tmp_path / "steady.sqlite"
+    rss_at_end = _train(path, 0)
+    memory = ampwatch.load(path).memory
+    assert len(memory) >= 20 and memory["step"].is_monotonic_increasing and memory["step"].max() <= 199
+    assert memory["device_allocated"].isna().all() and memory["device_reserved"].isna().all()  # no CUDA
+    last = memory["host_rss"].iloc[-1]
+    assert 0.8 * rss_at_end <= last <= 1.2 * rss_at_end  # the process's own figure, read independently
+    assert "memory-growth" not in {f.id for f in ampwatch.diagnose(path)}
+
+
+def test_a_loop_that_keeps_memory_from_every_step_is_a_leak_that_explains_the_kill(tmp_path):
+    path = tmp_path / "leak.sqlite"
+    _train(path, LEAK, kill=True)
+    findings = ampwatch.diagnose(path)
+    grown = next(f for f in findings if f.id == "memory-growth")
+    assert grown.severity == "warning" and grown.cause is None
+    first, last = grown.steps
+    memory = ampwatch.load(path).memory.set_index("step")["host_rss"]
+    # the truth: 2 MiB a step kept; the floor the doctor reports rose by about that much a step
+    rise = memory.loc[last] - memory.loc[first]
+    assert 0.7 * LEAK * (last - first) <= rise <= 1.3 * LEAK * (last - first)
+    rate = float(grown.evidence.split("about ")[1].split(" MiB a step")[0])
+    assert rate == pytest.approx(LEAK / 2 ** 20, rel=0.3)
+    assert "total += loss keeps each step's graph" in grown.advice
+    assert grown.evidence.endswith("the run was then killed or lost, as the OOM killer ends a process")
+    killed = next(f for f in findings if f.id == "run-interrupted")
+    assert killed.cause == "memory-growth"  # the kill follows from the growth
+    assert [f.id for f in findings if f.cause is None] == ["memory-growth"]
+
+
+def test_the_floor_must_rise_in_every_fifth():
+    """A one-time jump (a cache filled once, a recompile) lifts the floor in one fifth only."""
+    steps = torch.arange(400).numpy()
+    step_up = (1e9 + 5e8 * (steps >= 200)).astype(float)
+    assert memory_rule.floor_growth(steps, step_up) is None
+    ramp = (1e9 + 4e6 * steps).astype(float)
+    floors, per_step = memory_rule.floor_growth(steps, ramp)
+    assert [s for s, _ in floors] == [40, 112, 184, 256, 328] and per_step == pytest.approx(4e6)
