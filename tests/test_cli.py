@@ -205,3 +205,114 @@ def test_a_mistyped_command_line_is_one_line_and_exit_2(args, says):
 def test_ampwatch_alone_prints_its_help():
     proc = _ampwatch()
     assert proc.returncode == 0 and proc.stdout.startswith("Usage: ampwatch") and "doctor" in proc.stdout
+
+
+def _nan_inf_null_run(path):
+    """A real run whose steps hold a NaN loss, an inf loss and no loss at all (NULL): bf16 autocast,
+    no scaler, the loss through watch.log (not on step 2); step 4's input holds a NaN, step 6's
+    target is 1e30 (its squared error overflows float32). Metrics NaN, inf and -inf too."""
+    import torch
+    from torch.nn import functional as F
+    from helpers.loops import data, mlp
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampwatch.attach(model, opt, None, path=str(path), layer_every=2) as watch:
+        for i in range(8):
+            x, y = data(i)
+            if i == 4:
+                x[0, 0] = float("nan")
+            if i == 6:
+                y[0, 0] = 1e30
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            if i != 2:
+                watch.log(loss=loss)
+            watch.log(gap={4: float("nan"), 6: float("inf")}.get(i, float(i)),
+                      tgap=torch.tensor({4: float("nan"), 6: -float("inf")}.get(i, 0.5)))
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.nan_to_num_(0.0, 0.0, 0.0)  # training goes on after the bad steps
+    return path
+
+
+def _expected_cell(value, nan: bool) -> str:
+    """What a CSV cell must say for a value read from SQLite (NULL: None), ``nan``: it was a NaN."""
+    if value is None:
+        return "nan" if nan else ""
+    return {math.inf: "inf", -math.inf: "-inf"}.get(value, repr(float(value)))
+
+
+def test_export_csv_writes_nan_and_inf_apart_from_not_measured(tmp_path):
+    """A NaN loss is written 'nan' and an infinite one 'inf', not the empty cell of "not measured"
+    (NULL), which stays empty: checked against the file read with plain sqlite3 (NaN is stored as
+    NULL with the row's nan_mask bit; a metric row exists only for a logged value, so its NULL is a
+    logged NaN), through Python's csv module and pandas.read_csv."""
+    import csv
+    from ampwatch.store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
+    path = _nan_inf_null_run(tmp_path / "r.sqlite")
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "csv", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        steps = conn.execute("SELECT step, loss, grad_norm, loss_scale, nan_mask FROM steps ORDER BY step").fetchall()
+        layers = conn.execute("SELECT grad_norm, grad_amax, param_norm, nan_mask FROM layers"
+                              " ORDER BY step, param_id").fetchall()
+        metrics = conn.execute("SELECT value FROM metrics ORDER BY step, key").fetchall()
+    finally:
+        conn.close()
+    # the run holds what the test is about, by the file itself
+    assert any(r[1] is None and r[4] & STEP_NAN_BITS["loss"] for r in steps)  # a NaN loss
+    assert any(r[1] is None and not r[4] & STEP_NAN_BITS["loss"] for r in steps)  # no loss (NULL)
+    assert any(r[1] == math.inf for r in steps)  # an infinite loss
+    assert {r[0] for r in metrics} >= {None, math.inf, -math.inf}
+
+    def rows(table):
+        with open(tmp_path / "out" / f"r_{table}.csv", newline="") as f:
+            return list(csv.DictReader(f))
+
+    got = rows("steps")
+    assert [int(r["step"]) for r in got] == [r[0] for r in steps]
+    for r, (_, loss, norm, scale, mask) in zip(got, steps):
+        assert r["loss"] == _expected_cell(loss, mask & STEP_NAN_BITS["loss"])
+        assert r["grad_norm"] == _expected_cell(norm, mask & STEP_NAN_BITS["grad_norm"])
+        assert r["loss_scale"] == "" and scale is None  # no scaler: not measured, empty
+    got = rows("layers")
+    assert len(got) == len(layers) and any(m for *_, m in layers)
+    for r, (*values, mask) in zip(got, layers):
+        for col, value in zip(("grad_norm", "grad_amax", "param_norm"), values):
+            assert r[col] == _expected_cell(value, mask & LAYER_NAN_BITS[col])
+    got = rows("metrics")
+    assert [r["value"] for r in got] == [_expected_cell(v, v is None) for (v,) in metrics]
+    # pandas reads them back as floats: NaN for 'nan' and for the empty cell, inf for 'inf'
+    df = pd.read_csv(tmp_path / "out" / "r_steps.csv")
+    assert df["loss"].dtype == float and df["grad_norm"].dtype == float
+    for (_, loss, norm, _, _), l_, n_ in zip(steps, df["loss"], df["grad_norm"]):
+        for value, back in ((loss, l_), (norm, n_)):
+            assert math.isnan(back) if value is None else back == value
+    values = pd.read_csv(tmp_path / "out" / "r_metrics.csv")["value"]
+    assert [math.isnan(v) if w is None else v == w for v, (w,) in zip(values, metrics)] == [True] * len(metrics)
+
+
+def test_export_parquet_keeps_nan_apart_from_null(tmp_path):
+    """Parquet holds a NaN as a NaN double and "not measured" as null (pyarrow reads them apart);
+    pandas reads both back as float NaN, as before."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from ampwatch.store.schema import STEP_NAN_BITS
+    path = _nan_inf_null_run(tmp_path / "r.sqlite")
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "parquet", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        truth = conn.execute("SELECT loss, nan_mask FROM steps ORDER BY step").fetchall()
+    finally:
+        conn.close()
+    loss = pq.read_table(tmp_path / "out" / "r_steps.parquet").column("loss").to_pylist()
+    for got, (value, mask) in zip(loss, truth):
+        if value is None:
+            assert (got is not None and math.isnan(got)) if mask & STEP_NAN_BITS["loss"] else got is None
+        else:
+            assert got == value
+    assert pd.read_parquet(tmp_path / "out" / "r_steps.parquet")["loss"].dtype == np.float64
