@@ -316,3 +316,42 @@ def test_export_parquet_keeps_nan_apart_from_null(tmp_path):
         else:
             assert got == value
     assert pd.read_parquet(tmp_path / "out" / "r_steps.parquet")["loss"].dtype == np.float64
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_counts_are_written_and_read_as_integers(tmp_path, monkeypatch, accelerator):
+    """events.count and layers.grad_nonfinite are INTEGER columns that are NULL where nothing was
+    counted (a loss event; on the accelerator path, a step not known bad on the host): pandas read
+    them as floats, so the export wrote 512.0 and Run.events printed 12448.0. Each cell is now the
+    file's integer, or empty where it is NULL."""
+    import csv
+    if accelerator:
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    else:
+        monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    path = _nan_inf_null_run(tmp_path / "r.sqlite")
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "csv", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        counts = [r[0] for r in conn.execute("SELECT count FROM events ORDER BY step, origin DESC, id")]
+        nonfinite = [r[0] for r in conn.execute("SELECT grad_nonfinite FROM layers ORDER BY step, param_id")]
+        micro = [r[0] for r in conn.execute("SELECT micro_batches FROM steps ORDER BY step")]
+    finally:
+        conn.close()
+    assert None in counts and any(c is not None for c in counts)  # both kinds of cell, by the file
+    assert None in nonfinite or not accelerator
+
+    def column(table, col):
+        with open(tmp_path / "out" / f"r_{table}.csv", newline="") as f:
+            return [r[col] for r in csv.DictReader(f)]
+
+    as_cells = lambda values: ["" if v is None else str(v) for v in values]  # noqa: E731
+    assert column("events", "count") == as_cells(counts)
+    assert column("layers", "grad_nonfinite") == as_cells(nonfinite)
+    assert column("steps", "micro_batches") == as_cells(micro)
+    run = ampwatch.load(path)
+    assert [None if pd.isna(c) else c for c in run.events["count"]] == counts
+    shown = run.events[["count"]].to_string().splitlines()[1:]
+    assert [line.split()[-1] for line in shown] == [str(c) if c is not None else "<NA>" for c in counts]
+    assert [None if pd.isna(c) else c for c in run.layers["grad_nonfinite"]] == nonfinite
