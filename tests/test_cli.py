@@ -355,3 +355,77 @@ def test_counts_are_written_and_read_as_integers(tmp_path, monkeypatch, accelera
     shown = run.events[["count"]].to_string().splitlines()[1:]
     assert [line.split()[-1] for line in shown] == [str(c) if c is not None else "<NA>" for c in counts]
     assert [None if pd.isna(c) else c for c in run.layers["grad_nonfinite"]] == nonfinite
+
+
+KILLED_TRAINING = """
+import sys, torch, ampwatch
+sys.path.insert(0, {tests!r})
+from helpers.loops import amp_step, data, mlp
+torch.set_num_threads(1)
+model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=4)
+watch = ampwatch.attach(model, opt, scaler, path={path!r}, flush_every_s=0.02, layer_every=3)
+i = 0
+while True:
+    x, y = data(i % 7)
+    if i == 5:
+        x[0, 0] = float("nan")
+    amp_step(model, opt, scaler, x, y)
+    if {crash_at} == i:
+        raise RuntimeError("boom")
+    i += 1
+"""
+
+
+def _steps_in(path) -> int:
+    try:
+        return _sql(path, "SELECT COUNT(*) FROM steps")[0]
+    except sqlite3.Error:  # not created yet
+        return 0
+
+
+@pytest.mark.parametrize("end", ["sigkill", "exception"])
+def test_summary_ls_and_export_of_a_killed_or_crashed_run_match_the_file(tmp_path, end):
+    """A run SIGKILLed after a few flushes (its file still in WAL mode) or ended by an exception:
+    every figure summary and ls print, and every exported row count, equals the file's."""
+    import os
+    import signal
+    import time
+    path = tmp_path / "k.sqlite"
+    script = KILLED_TRAINING.format(tests=str(Path(__file__).parent), path=str(path),
+                                    crash_at=30 if end == "exception" else -1)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    if end == "sigkill":
+        deadline = time.time() + 60
+        while _steps_in(path) < 25 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert ("boom" in proc.stderr.read()) == (end == "exception")
+    n, skipped, first_loss, last_loss, last_scale = _sql(
+        path, "SELECT COUNT(*), SUM(skipped), (SELECT loss FROM steps ORDER BY step LIMIT 1),"
+              " (SELECT loss FROM steps ORDER BY step DESC LIMIT 1),"
+              " (SELECT loss_scale FROM steps ORDER BY step DESC LIMIT 1) FROM steps")
+    start_scale, min_scale, min_loss = _sql(path, "SELECT (SELECT loss_scale FROM steps ORDER BY step LIMIT 1),"
+                                                  " MIN(loss_scale), MIN(loss) FROM steps")
+    nan_step = _sql(path, "SELECT MIN(step) FROM steps WHERE nan_mask & 1")[0]
+    assert n >= 25 and skipped and nan_step == 5
+    status = "interrupted" if end == "sigkill" else "crashed"
+    out = CliRunner().invoke(cli, ["summary", str(path)])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0].startswith(f"run      k  ({status}, float16, cpu)")
+    assert lines[1] == f"steps    {n}  skipped {skipped} ({100 * skipped / n:.1f}%)"
+    assert lines[2] == f"loss     first {first_loss:.4g}  last {last_loss:.4g}  min {min_loss:.4g}"
+    assert lines[3] == f"scale    start {start_scale:.4g}  min {min_scale:.4g}  final {last_scale:.4g}"
+    assert f"(loss first NaN/inf at step {nan_step})" in lines[4]
+    assert ("RuntimeError: boom" in out.output) == (end == "exception")
+    listed = CliRunner().invoke(cli, ["ls", str(tmp_path)]).output.splitlines()[1].split()
+    assert listed[:5] == ["k", status, str(n), f"{100 * skipped / n:.1f}", f"{last_loss:.4g}"]
+    out = CliRunner().invoke(cli, ["export", str(path), "--out", str(tmp_path / "out")])
+    assert out.exit_code == 0, out.output
+    for table in ("steps", "layers", "modules", "events", "metrics"):
+        rows = _sql(path, f"SELECT COUNT(*) FROM {table}")[0]
+        assert f"k_{table}.csv ({rows} rows)" in out.output
+        assert len(pd.read_csv(tmp_path / "out" / f"k_{table}.csv")) == rows
