@@ -205,3 +205,227 @@ def test_a_mistyped_command_line_is_one_line_and_exit_2(args, says):
 def test_ampwatch_alone_prints_its_help():
     proc = _ampwatch()
     assert proc.returncode == 0 and proc.stdout.startswith("Usage: ampwatch") and "doctor" in proc.stdout
+
+
+def _nan_inf_null_run(path):
+    """A real run whose steps hold a NaN loss, an inf loss and no loss at all (NULL): bf16 autocast,
+    no scaler, the loss through watch.log (not on step 2); step 4's input holds a NaN, step 6's
+    target is 1e30 (its squared error overflows float32). Metrics NaN, inf and -inf too."""
+    import torch
+    from torch.nn import functional as F
+    from helpers.loops import data, mlp
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampwatch.attach(model, opt, None, path=str(path), layer_every=2) as watch:
+        for i in range(8):
+            x, y = data(i)
+            if i == 4:
+                x[0, 0] = float("nan")
+            if i == 6:
+                y[0, 0] = 1e30
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            if i != 2:
+                watch.log(loss=loss)
+            watch.log(gap={4: float("nan"), 6: float("inf")}.get(i, float(i)),
+                      tgap=torch.tensor({4: float("nan"), 6: -float("inf")}.get(i, 0.5)))
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.nan_to_num_(0.0, 0.0, 0.0)  # training goes on after the bad steps
+    return path
+
+
+def _expected_cell(value, nan: bool) -> str:
+    """What a CSV cell must say for a value read from SQLite (NULL: None), ``nan``: it was a NaN."""
+    if value is None:
+        return "nan" if nan else ""
+    return {math.inf: "inf", -math.inf: "-inf"}.get(value, repr(float(value)))
+
+
+def test_export_csv_writes_nan_and_inf_apart_from_not_measured(tmp_path):
+    """A NaN loss is written 'nan' and an infinite one 'inf', not the empty cell of "not measured"
+    (NULL), which stays empty: checked against the file read with plain sqlite3 (NaN is stored as
+    NULL with the row's nan_mask bit; a metric row exists only for a logged value, so its NULL is a
+    logged NaN), through Python's csv module and pandas.read_csv."""
+    import csv
+    from ampwatch.store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
+    path = _nan_inf_null_run(tmp_path / "r.sqlite")
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "csv", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        steps = conn.execute("SELECT step, loss, grad_norm, loss_scale, nan_mask FROM steps ORDER BY step").fetchall()
+        layers = conn.execute("SELECT grad_norm, grad_amax, param_norm, nan_mask FROM layers"
+                              " ORDER BY step, param_id").fetchall()
+        metrics = conn.execute("SELECT value FROM metrics ORDER BY step, key").fetchall()
+    finally:
+        conn.close()
+    # the run holds what the test is about, by the file itself
+    assert any(r[1] is None and r[4] & STEP_NAN_BITS["loss"] for r in steps)  # a NaN loss
+    assert any(r[1] is None and not r[4] & STEP_NAN_BITS["loss"] for r in steps)  # no loss (NULL)
+    assert any(r[1] == math.inf for r in steps)  # an infinite loss
+    assert {r[0] for r in metrics} >= {None, math.inf, -math.inf}
+
+    def rows(table):
+        with open(tmp_path / "out" / f"r_{table}.csv", newline="") as f:
+            return list(csv.DictReader(f))
+
+    got = rows("steps")
+    assert [int(r["step"]) for r in got] == [r[0] for r in steps]
+    for r, (_, loss, norm, scale, mask) in zip(got, steps):
+        assert r["loss"] == _expected_cell(loss, mask & STEP_NAN_BITS["loss"])
+        assert r["grad_norm"] == _expected_cell(norm, mask & STEP_NAN_BITS["grad_norm"])
+        assert r["loss_scale"] == "" and scale is None  # no scaler: not measured, empty
+    got = rows("layers")
+    assert len(got) == len(layers) and any(m for *_, m in layers)
+    for r, (*values, mask) in zip(got, layers):
+        for col, value in zip(("grad_norm", "grad_amax", "param_norm"), values):
+            assert r[col] == _expected_cell(value, mask & LAYER_NAN_BITS[col])
+    got = rows("metrics")
+    assert [r["value"] for r in got] == [_expected_cell(v, v is None) for (v,) in metrics]
+    # pandas reads them back as floats: NaN for 'nan' and for the empty cell, inf for 'inf'
+    df = pd.read_csv(tmp_path / "out" / "r_steps.csv")
+    assert df["loss"].dtype == float and df["grad_norm"].dtype == float
+    for (_, loss, norm, _, _), l_, n_ in zip(steps, df["loss"], df["grad_norm"]):
+        for value, back in ((loss, l_), (norm, n_)):
+            assert math.isnan(back) if value is None else back == value
+    values = pd.read_csv(tmp_path / "out" / "r_metrics.csv")["value"]
+    assert [math.isnan(v) if w is None else v == w for v, (w,) in zip(values, metrics)] == [True] * len(metrics)
+
+
+def test_export_parquet_keeps_nan_apart_from_null(tmp_path):
+    """Parquet holds a NaN as a NaN double and "not measured" as null (pyarrow reads them apart);
+    pandas reads both back as float NaN, as before."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from ampwatch.store.schema import STEP_NAN_BITS
+    path = _nan_inf_null_run(tmp_path / "r.sqlite")
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "parquet", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        truth = conn.execute("SELECT loss, nan_mask FROM steps ORDER BY step").fetchall()
+    finally:
+        conn.close()
+    loss = pq.read_table(tmp_path / "out" / "r_steps.parquet").column("loss").to_pylist()
+    for got, (value, mask) in zip(loss, truth):
+        if value is None:
+            assert (got is not None and math.isnan(got)) if mask & STEP_NAN_BITS["loss"] else got is None
+        else:
+            assert got == value
+    assert pd.read_parquet(tmp_path / "out" / "r_steps.parquet")["loss"].dtype == np.float64
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_counts_are_written_and_read_as_integers(tmp_path, monkeypatch, accelerator):
+    """events.count and layers.grad_nonfinite are INTEGER columns that are NULL where nothing was
+    counted (a loss event; on the accelerator path, a step not known bad on the host): pandas read
+    them as floats, so the export wrote 512.0 and Run.events printed 12448.0. Each cell is now the
+    file's integer, or empty where it is NULL."""
+    import csv
+    if accelerator:
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    else:
+        monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    path = _nan_inf_null_run(tmp_path / "r.sqlite")
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "csv", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        counts = [r[0] for r in conn.execute("SELECT count FROM events ORDER BY step, origin DESC, id")]
+        nonfinite = [r[0] for r in conn.execute("SELECT grad_nonfinite FROM layers ORDER BY step, param_id")]
+        micro = [r[0] for r in conn.execute("SELECT micro_batches FROM steps ORDER BY step")]
+    finally:
+        conn.close()
+    assert None in counts and any(c is not None for c in counts)  # both kinds of cell, by the file
+    assert None in nonfinite or not accelerator
+
+    def column(table, col):
+        with open(tmp_path / "out" / f"r_{table}.csv", newline="") as f:
+            return [r[col] for r in csv.DictReader(f)]
+
+    as_cells = lambda values: ["" if v is None else str(v) for v in values]  # noqa: E731
+    assert column("events", "count") == as_cells(counts)
+    assert column("layers", "grad_nonfinite") == as_cells(nonfinite)
+    assert column("steps", "micro_batches") == as_cells(micro)
+    run = ampwatch.load(path)
+    assert [None if pd.isna(c) else c for c in run.events["count"]] == counts
+    shown = run.events[["count"]].to_string().splitlines()[1:]
+    assert [line.split()[-1] for line in shown] == [str(c) if c is not None else "<NA>" for c in counts]
+    assert [None if pd.isna(c) else c for c in run.layers["grad_nonfinite"]] == nonfinite
+
+
+KILLED_TRAINING = """
+import sys, torch, ampwatch
+sys.path.insert(0, {tests!r})
+from helpers.loops import amp_step, data, mlp
+torch.set_num_threads(1)
+model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=4)
+watch = ampwatch.attach(model, opt, scaler, path={path!r}, flush_every_s=0.02, layer_every=3)
+i = 0
+while True:
+    x, y = data(i % 7)
+    if i == 5:
+        x[0, 0] = float("nan")
+    amp_step(model, opt, scaler, x, y)
+    if {crash_at} == i:
+        raise RuntimeError("boom")
+    i += 1
+"""
+
+
+def _steps_in(path) -> int:
+    try:
+        return _sql(path, "SELECT COUNT(*) FROM steps")[0]
+    except sqlite3.Error:  # not created yet
+        return 0
+
+
+@pytest.mark.parametrize("end", ["sigkill", "exception"])
+def test_summary_ls_and_export_of_a_killed_or_crashed_run_match_the_file(tmp_path, end):
+    """A run SIGKILLed after a few flushes (its file still in WAL mode) or ended by an exception:
+    every figure summary and ls print, and every exported row count, equals the file's."""
+    import os
+    import signal
+    import time
+    path = tmp_path / "k.sqlite"
+    script = KILLED_TRAINING.format(tests=str(Path(__file__).parent), path=str(path),
+                                    crash_at=30 if end == "exception" else -1)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    if end == "sigkill":
+        deadline = time.time() + 60
+        while _steps_in(path) < 25 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert ("boom" in proc.stderr.read()) == (end == "exception")
+    n, skipped, first_loss, last_loss, last_scale = _sql(
+        path, "SELECT COUNT(*), SUM(skipped), (SELECT loss FROM steps ORDER BY step LIMIT 1),"
+              " (SELECT loss FROM steps ORDER BY step DESC LIMIT 1),"
+              " (SELECT loss_scale FROM steps ORDER BY step DESC LIMIT 1) FROM steps")
+    start_scale, min_scale, min_loss = _sql(path, "SELECT (SELECT loss_scale FROM steps ORDER BY step LIMIT 1),"
+                                                  " MIN(loss_scale), MIN(loss) FROM steps")
+    nan_step = _sql(path, "SELECT MIN(step) FROM steps WHERE nan_mask & 1")[0]
+    assert n >= 25 and skipped and nan_step == 5
+    status = "interrupted" if end == "sigkill" else "crashed"
+    out = CliRunner().invoke(cli, ["summary", str(path)])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0].startswith(f"run      k  ({status}, float16, cpu)")
+    assert lines[1] == f"steps    {n}  skipped {skipped} ({100 * skipped / n:.1f}%)"
+    assert lines[2] == f"loss     first {first_loss:.4g}  last {last_loss:.4g}  min {min_loss:.4g}"
+    assert lines[3] == f"scale    start {start_scale:.4g}  min {min_scale:.4g}  final {last_scale:.4g}"
+    assert f"(loss first NaN/inf at step {nan_step})" in lines[4]
+    assert ("RuntimeError: boom" in out.output) == (end == "exception")
+    listed = CliRunner().invoke(cli, ["ls", str(tmp_path)]).output.splitlines()[1].split()
+    assert listed[:5] == ["k", status, str(n), f"{100 * skipped / n:.1f}", f"{last_loss:.4g}"]
+    out = CliRunner().invoke(cli, ["export", str(path), "--out", str(tmp_path / "out")])
+    assert out.exit_code == 0, out.output
+    for table in ("steps", "layers", "modules", "events", "metrics"):
+        rows = _sql(path, f"SELECT COUNT(*) FROM {table}")[0]
+        assert f"k_{table}.csv ({rows} rows)" in out.output
+        assert len(pd.read_csv(tmp_path / "out" / f"k_{table}.csv")) == rows

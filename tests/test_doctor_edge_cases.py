@@ -13,7 +13,8 @@ the doctor's words checked against it.
 * gradient underflow counts every parameter it names and says "1 recorded step", not "steps";
   gradients that are all zero because their units died are not underflow, and its advice never
   asks for an init_scale the run already had;
-* a run that ended with no step recorded is a warning (not "ok"), and the advice names a disabled GradScaler.
+* a run that ended with no step recorded is a warning (not "ok"), and its advice says where steps are
+  counted (a disabled GradScaler counts them at optimizer.step(), as no scaler does).
 """
 from __future__ import annotations
 
@@ -340,37 +341,51 @@ def test_underflow_advice_never_asks_for_a_scale_the_run_already_had(tmp_path, i
 
 # -- 6. a run that ended with no step recorded is not "ok" ------------------------------------------
 
-def test_a_run_that_ended_without_a_step_is_a_warning_that_names_the_disabled_scaler(tmp_path):
-    """bf16 with GradScaler(enabled=False) handed to attach, and a loop that calls optimizer.step()
-    itself: nothing counts a step. While the run is open that is "not yet" (info); once it ended,
-    a warning, and the advice names the disabled scaler."""
+def test_a_run_that_ended_without_a_step_is_a_warning_whose_advice_holds(tmp_path):
+    """fp16 with an enabled GradScaler handed to attach, and a loop that calls optimizer.step()
+    itself (scaler.step() and update() forgotten): nothing counts a step. While the run is open
+    that is "not yet" (info); once it ended, a warning whose advice names where steps are counted.
+    The same loop with GradScaler(enabled=False) does record its steps (at optimizer.step()),
+    as the advice says."""
     import sqlite3
     from click.testing import CliRunner
     from ampwatch.cli.main import cli
-    model = nn.Sequential(nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    watch = ampwatch.attach(model, opt, torch.amp.GradScaler("cpu", enabled=False), path=str(tmp_path / "n.sqlite"))
-    try:
-        opened = next(f for f in diagnose(ampwatch.load(watch.path)) if f.id == "no-steps")
-        for step in range(3):
-            x, y = data(step)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.mse_loss(model(x).float(), y)
-            loss.backward()
-            watch.log(loss=loss)
-            opt.step()
-            opt.zero_grad()
-    finally:
-        watch.close()
-    assert opened.severity == "info" and "has started" in opened.advice
-    conn = sqlite3.connect(f"file:{watch.path}?mode=ro", uri=True)
-    assert conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0] == 0  # the truth, from the file
-    assert conn.execute("SELECT status FROM run").fetchone()[0] == "finished"
-    conn.close()
-    f = next(f for f in diagnose(ampwatch.load(watch.path)) if f.id == "no-steps")
-    assert f.severity == "warning" and "GradScaler(enabled=False)" in f.advice and "finished" in f.evidence
-    listed = CliRunner().invoke(cli, ["ls", str(tmp_path)])
-    assert listed.exit_code == 0 and listed.output.splitlines()[1].endswith("warning: No optimizer steps were recorded")
+    counts = {}
+    for enabled in (True, False):
+        model = nn.Sequential(nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        path = tmp_path / ("enabled" if enabled else "disabled") / "n.sqlite"
+        watch = ampwatch.attach(model, opt, scaler, path=str(path))
+        try:
+            if enabled:
+                opened = next(f for f in diagnose(ampwatch.load(watch.path)) if f.id == "no-steps")
+            for step in range(3):
+                x, y = data(step)
+                with torch.autocast("cpu", dtype=torch.float16 if enabled else torch.bfloat16):
+                    loss = F.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            watch.close()
+        conn = sqlite3.connect(f"file:{watch.path}?mode=ro", uri=True)
+        counts[enabled] = conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]  # the truth, from the file
+        assert conn.execute("SELECT status FROM run").fetchone()[0] == "finished"
+        conn.close()
+        findings = diagnose(ampwatch.load(watch.path))
+        if enabled:
+            assert opened.severity == "info" and "has started" in opened.advice
+            f = next(f for f in findings if f.id == "no-steps")
+            assert f.severity == "warning" and "finished" in f.evidence
+            assert "With an enabled GradScaler a step is counted at scaler.update()" in f.advice
+            assert "with GradScaler(enabled=False), at optimizer.step()" in f.advice
+            listed = CliRunner().invoke(cli, ["ls", str(path.parent)])
+            assert listed.exit_code == 0 and listed.output.splitlines()[1].endswith(
+                "warning: No optimizer steps were recorded")
+        else:
+            assert not any(f.id == "no-steps" for f in findings)
+    assert counts == {True: 0, False: 3}
 
 
 # -- 7. a weight blown up by the optimizer's own updates is not "overwritten" ----------------------------

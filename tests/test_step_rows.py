@@ -173,6 +173,79 @@ def test_disabled_and_deprecated_scalers(tmp_path):
         assert run.info["scaler_enabled"] is False
 
 
+def _bf16_loop(scaler_arg, loop, path, steps=6, bad_step=3):
+    """bf16 autocast with AMP's scaler switched off; ``loop``: how the step is taken. "scaler": the
+    AMP loop kept as it was (scale, step, update on the disabled scaler); "direct": backward and
+    optimizer.step(), the scaler never touched; "scaled-direct": scaler.scale(loss).backward() then
+    optimizer.step(); "direct+update": optimizer.step() then scaler.update(). Step ``bad_step``'s
+    input holds a NaN (its weights are repaired after it). Returns the final weights and the watch."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    watch = None
+    if path is not None:
+        watch = ampwatch.attach(model, opt, scaler if scaler_arg == "disabled" else None, path=str(path))
+    for i in range(steps):
+        x, y = data(i)
+        if i == bad_step:
+            x[0, 0] = float("nan")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        if loop in ("scaler", "scaled-direct"):
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+            if watch is not None:
+                watch.log(loss=loss)
+        if loop == "scaler":
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+            if loop == "direct+update":
+                scaler.update()
+        opt.zero_grad()
+        if i == bad_step:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.nan_to_num_(0.0)
+    if watch is not None:
+        watch.close()
+    return snapshot(model), watch
+
+
+@pytest.mark.parametrize("loop", ["direct", "scaler", "scaled-direct", "direct+update"])
+def test_a_disabled_scaler_records_like_no_scaler_however_the_loop_steps(tmp_path, loop):
+    """GradScaler(enabled=False) handed to attach (AMP switched off, the same attach line kept):
+    every optimizer step is recorded once, whether the loop steps through the disabled scaler or
+    calls optimizer.step() itself (it used to record no step at all then), with the rows a run
+    attached without a scaler gets; no scale is claimed; training is unchanged."""
+    import sqlite3
+    unwatched, _ = _bf16_loop("disabled", loop, None)
+    weights, watch = _bf16_loop("disabled", loop, tmp_path / "disabled.sqlite")
+    assert all(torch.equal(a, b) for a, b in zip(unwatched, weights))
+    _, plain = _bf16_loop("none", "direct", tmp_path / "none.sqlite")  # its loss through watch.log
+
+    def rows(path, query):
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return conn.execute(query).fetchall()
+        finally:
+            conn.close()
+
+    steps = "SELECT step, loss, loss_scale, skipped, grad_norm, nan_mask, micro_batches FROM steps ORDER BY step"
+    got, want = rows(watch.path, steps), rows(plain.path, steps)
+    assert [r[0] for r in got] == list(range(6))  # one row per optimizer step, none twice
+    assert all(r[2] is None for r in got)  # no scale claimed
+    assert [r[1:] for r in got] == [r[1:] for r in want]
+    assert got[3][1] is None and got[3][5] & 1  # the NaN loss, flagged NaN (not "not measured")
+    events = "SELECT step, phase, module, kind FROM events ORDER BY step, phase, module"
+    assert rows(watch.path, events) == rows(plain.path, events) and rows(watch.path, events)
+    info = rows(watch.path, "SELECT scaler_enabled, init_scale, growth_factor FROM run")
+    assert info == [(0, None, None)]
+
+
 def test_param_groups_frozen_params_and_zero_grad_to_zero(tmp_path):
     model = mlp()
     model[0].weight.requires_grad_(False)

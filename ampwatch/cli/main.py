@@ -205,6 +205,7 @@ def export(path: str, fmt: str, to: Optional[str], out: Optional[str]) -> None:
         sys.exit(status)
     if out is None:
         raise click.UsageError("Missing option '--out'.")
+    from ..store.reader import EXPORTED_TABLES
     run = _load(path)
     target = _output_folder(out)
     if fmt == "parquet":
@@ -214,18 +215,32 @@ def export(path: str, fmt: str, to: Optional[str], out: Optional[str]) -> None:
             raise click.ClickException("parquet export needs pyarrow: pip install 'ampwatch[parquet]'")
     # the name comes from the file: keep it a plain file name (no '/', '..' or control bytes)
     stem = re.sub(r"[^\w.-]", "_", run.name).lstrip(".") or "run"
-    for table in ("steps", "layers", "modules", "events", "metrics"):
-        df = getattr(run, table)
+    for table in EXPORTED_TABLES:
+        df = run.exported(table)  # NaN apart from NULL: CSV 'nan' and an empty cell, Parquet NaN and null
         file = target / f"{stem}_{table}.{fmt}"
         try:
             if fmt == "csv":
-                df.to_csv(file, index=False)
+                df.to_csv(file, index=False)  # inf and -inf as 'inf' and '-inf'
             else:
-                df.to_parquet(file, index=False)
+                _write_parquet(df, file)
         except OSError as exc:  # a folder in the file's place, a full disk
             raise OutputError(f"cannot write {str(file)!r} ({exc.strerror or exc}): "
                               "pass another --out folder, or make room for the file there") from None
         click.echo(f"wrote {file} ({len(df)} rows)")
+
+
+def _write_parquet(df: Any, file: Path) -> None:
+    """``df`` as Parquet, its nullable ``Float64`` columns (a NaN kept apart from NULL) as doubles
+    holding NaN and null, which pandas reads back as float64 (both NaN), as it read them before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    meta = json.loads(table.schema.metadata[b"pandas"])
+    for column in meta["columns"]:
+        if column.get("numpy_type") == "Float64":
+            column["numpy_type"] = "float64"
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"pandas": json.dumps(meta).encode()}),
+                   file)
 
 
 @cli.command()

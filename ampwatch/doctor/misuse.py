@@ -28,8 +28,9 @@ def misuse_config(facts: Facts) -> list[Finding]:
         return [facts.finding(
             "no-steps", "warning" if ended else "info", "No optimizer steps were recorded", 0, 0,
             f"the steps table is empty and the run is {status or 'running'}",
-            "With a GradScaler, even GradScaler(enabled=False), a step is counted at scaler.update(); "
-            "without one at optimizer.step(). Check the loop calls them"
+            "With an enabled GradScaler a step is counted at scaler.update(), so a loop that calls "
+            "optimizer.step() itself records nothing; without one, or with GradScaler(enabled=False), at "
+            "optimizer.step() (or scaler.update() after scaler.step()). Check the loop calls them"
             + ("." if ended else ", or that the run has started."), jump=(0, 0))]
     first, last = facts.first_step, facts.last_step
     dtype, scaler = info.get("amp_dtype"), info.get("scaler_enabled")

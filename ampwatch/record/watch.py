@@ -689,7 +689,10 @@ class Watch:
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._reapplying:
             return
-        if self.scaler is None:
+        if self.scaler is None or not (self._scaling or self.state.scaler_stepped):
+            # no scaler, or a disabled one (GradScaler(enabled=False)) the loop did not step through:
+            # optimizer.step() closes the step. A disabled scaler's step() calls optimizer.step()
+            # itself; that step is closed by its update() instead, so it is counted once
             self.end_step(self._take_early_scalars())
 
     # -- step end -----------------------------------------------------------------------------------

@@ -161,6 +161,8 @@ def _steps(df: pd.DataFrame) -> pd.DataFrame:
 def _layers(df: pd.DataFrame) -> pd.DataFrame:
     df = decode_nan_mask(df, LAYER_NAN_BITS)
     df["grad_zero_frac"] = df["grad_zero_frac"].astype(float)
+    # a count: a column with a NULL (not counted) would read as floats, 128.0
+    df["grad_nonfinite"] = df["grad_nonfinite"].astype("Int64")
     return df
 
 
@@ -173,6 +175,7 @@ def _modules(df: pd.DataFrame) -> pd.DataFrame:
 def _events(df: pd.DataFrame) -> pd.DataFrame:
     df["origin"] = df["origin"].astype(bool)
     df["amax"] = df["amax"].astype(float)
+    df["count"] = df["count"].astype("Int64")  # NULL (not counted) reads <NA>; 12448, not 12448.0
     df["micro_batch"] = df["micro_batch"].astype("Int64")  # NULL (per-step events, old files) reads <NA>
     # SQLite keeps NaN as NULL: fp32_nan/lowp_nan tell a NaN recompute from "not recomputed" (None).
     for col in ("fp32", "lowp"):
@@ -309,8 +312,75 @@ class Run:
         df["aliases"] = [", ".join(others.get(n, ())) for n in df["name"]]
         return df
 
+    def exported(self, table: str) -> pd.DataFrame:
+        """``table`` (steps, layers, modules, events, metrics) as ``ampwatch export`` writes it: the
+        property's columns, with a NaN kept apart from "not measured" (NULL). Columns that can hold
+        a NaN the file records as one (``nan_mask``'s bits, ``fp32_nan``/``lowp_nan``, a metric's
+        NULL value: a metric row is written only for a logged value, so NULL there is a logged NaN)
+        are pandas' nullable ``Float64``: NaN where the value was NaN, ``pd.NA`` where it is NULL.
+        Counts (``count``, ``grad_nonfinite``, ``micro_batches``) are ``Int64``: 12448, never
+        12448.0, with ``pd.NA`` (an empty cell) where they were not counted."""
+        if table not in EXPORTED_TABLES:
+            raise ValueError(f"no exported table {table!r}: one of {', '.join(EXPORTED_TABLES)}")
+        with guard(self.path):
+            return _EXPORT[table](self)
+
     def __repr__(self) -> str:
         return f"<ampwatch.Run {self.name!r} {str(self.path)!r}>"
+
+
+def _nan_apart(values: Any, nan: Any) -> pd.arrays.FloatingArray:
+    """Floats whose NaNs (where ``nan`` is true) stay NaN and whose other missing values (NULL)
+    become ``pd.NA``: CSV writes them ``nan`` and an empty cell, Parquet NaN and null."""
+    v = np.array(values, dtype=float)  # a copy: the array owns it
+    return pd.arrays.FloatingArray(v, np.isnan(v) & ~np.asarray(nan, dtype=bool))
+
+
+def _masked(run: Run, sql: str, bits: dict[str, int], ints: tuple) -> pd.DataFrame:
+    df = run.query(sql)
+    mask = np.nan_to_num(np.asarray(df.pop("nan_mask").to_numpy(), dtype=float)).astype(np.int64)
+    for col, bit in bits.items():
+        df[col] = _nan_apart(df[col], (mask & bit) != 0)
+    for col in ints:
+        df[col] = df[col].astype("Int64")
+    return df
+
+
+def _exported_steps(run: Run) -> pd.DataFrame:
+    df = _masked(run, "SELECT step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr, micro_batches,"
+                      " nan_mask FROM steps ORDER BY step", STEP_NAN_BITS, ("micro_batches",))
+    df["loss_scale"] = df["loss_scale"].astype(float)
+    df["skipped"] = df["skipped"].astype(bool)
+    return df
+
+
+def _exported_layers(run: Run) -> pd.DataFrame:
+    df = _masked(run, "SELECT l.step, t.name, l.grad_norm, l.grad_amax, l.param_norm, l.grad_nonfinite,"
+                      " l.grad_zero_frac, l.nan_mask FROM layers l JOIN tensors t ON t.id = l.param_id"
+                      " ORDER BY l.step, l.param_id", LAYER_NAN_BITS, ("grad_nonfinite",))
+    df["grad_zero_frac"] = df["grad_zero_frac"].astype(float)
+    return df
+
+
+def _exported_events(run: Run) -> pd.DataFrame:
+    df = run.events
+    for col in ("fp32_amax", "lowp_amax"):  # NaN: the recompute gave NaN; None: none was done
+        cells = list(df[col])
+        df[col] = _nan_apart([math.nan if v is None else v for v in cells],
+                             [v is not None and v != v for v in cells])
+    return df
+
+
+def _exported_metrics(run: Run) -> pd.DataFrame:
+    df = run.metrics
+    df["value"] = _nan_apart(df["value"], df["value"].isna())  # NULL is a logged NaN (see Run.exported)
+    return df
+
+
+_EXPORT: dict[str, Callable[[Run], pd.DataFrame]] = {
+    "steps": _exported_steps, "layers": _exported_layers, "modules": lambda run: run.modules,
+    "events": _exported_events, "metrics": _exported_metrics}
+EXPORTED_TABLES = tuple(_EXPORT)
 
 
 # Config keys that loops and frameworks use for the clip threshold (HF, nanoGPT, Lightning, others):
