@@ -131,9 +131,26 @@ def test_summary_separates_loss_nan_from_warmup_gradient_overflow():
         path = SAMPLES / f"{name}.sqlite"
         first_bad_loss = _sql(path, "SELECT MIN(step) FROM steps WHERE (nan_mask & 1) OR abs(loss) > 1e308")[0]
         out = CliRunner().invoke(cli, ["summary", str(path)]).output
-        expected = "-" if first_bad_loss is None else str(first_bad_loss)
-        assert f"(loss first NaN/inf at step {expected})" in out
+        expected = "(the loss stayed finite)" if first_bad_loss is None else f"(loss first NaN/inf at step {first_bad_loss})"
+        assert expected in out
     assert first_bad_loss is None  # healthy: only its warm-up gradients overflowed
+
+
+def test_summary_says_none_and_prints_the_memory_the_run_read():
+    """A run with no NaN/Inf at all reads "nonfinite none", not "step -"; the memory line is the
+    file's own first, last and largest reading."""
+    path = SAMPLES / "bf16_noscaler.sqlite"
+    (nonfinite,) = _sql(path, "SELECT COUNT(*) FROM steps WHERE nan_mask != 0 OR abs(loss) > 1e308 "
+                              "OR abs(grad_norm) > 1e308")
+    (events,) = _sql(path, "SELECT COUNT(*) FROM events")
+    assert nonfinite == 0 and events == 0
+    out = CliRunner().invoke(cli, ["summary", str(path)]).output
+    assert "nonfinite none\n" in out and "step -" not in out
+    (first,) = _sql(path, "SELECT host_rss FROM memory ORDER BY step LIMIT 1")
+    (last,) = _sql(path, "SELECT host_rss FROM memory ORDER BY step DESC LIMIT 1")
+    (top,) = _sql(path, "SELECT MAX(host_rss) FROM memory")
+    mib = lambda b: f"{b / 2 ** 20:.3g} MiB"
+    assert f"memory   host {mib(first)} -> {mib(last)} (max {mib(top)})" in out
 
 
 def _ampwatch(*args):

@@ -135,11 +135,33 @@ def _summary_text(s: dict, file: str) -> str:
         f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)",
         f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}",
         f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}",
-        f"nonfinite first at step {_fmt(s['first_nonfinite_step'])}  "
-        f"(loss first NaN/inf at step {_fmt(s['first_nonfinite_loss_step'])})",
+        _nonfinite_line(s),
         f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
         f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}"]
+        + _memory_lines(s)
         + [f"{'crashed' if i == 0 else '':<8} {line}" for i, line in enumerate(s.get("error_tail") or [])])
+
+
+def _nonfinite_line(s: dict) -> str:
+    if s["first_nonfinite_step"] is None:
+        return "nonfinite none"
+    loss = s["first_nonfinite_loss_step"]
+    return (f"nonfinite first at step {s['first_nonfinite_step']}  "
+            + (f"(loss first NaN/inf at step {loss})" if loss is not None else "(the loss stayed finite)"))
+
+
+def _memory_lines(s: dict) -> list[str]:
+    """``memory   host 398 MiB -> 711 MiB (max 720 MiB)``, where the run read its memory."""
+    parts = [f"{label} {_bytes(s[key + '_first'])} -> {_bytes(s[key + '_last'])} (max {_bytes(s[key + '_max'])})"
+             for key, label in (("host_rss", "host"), ("device_allocated", "device")) if s.get(key + "_first") is not None]
+    return [f"memory   {'  '.join(parts)}"] if parts else []
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}" if n / size < 1000 else f"{n / size:,.0f} {unit}"
+    return f"{n:,.0f} B"
 
 
 @cli.command(name="ls")

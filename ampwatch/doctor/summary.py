@@ -8,6 +8,7 @@ import pandas as pd
 
 from ..store.guard import reads
 from ..store.reader import connect
+from .ending import traceback_tail
 from .warmup import warmup_end, warmup_in_file
 
 
@@ -76,10 +77,22 @@ def summarize(run: Any) -> dict[str, Any]:
         "grad_norm_max": float(norms.max()) if len(norms) else None,
         "amp_dtype": info.get("amp_dtype"), "device": info.get("device"),
         "error_tail": error_tail(info) if info.get("status") == "crashed" else [],
+        **_memory(run.memory),
     }
+
+
+def _memory(memory: pd.DataFrame) -> dict[str, Optional[float]]:
+    """First, last and largest reading of each memory figure, in bytes (None: never read)."""
+    out: dict[str, Optional[float]] = {}
+    for col in ("host_rss", "device_allocated"):
+        values = memory[col].dropna() if len(memory) else pd.Series(dtype=float)
+        for what, value in (("first", values.iloc[0] if len(values) else None),
+                            ("last", values.iloc[-1] if len(values) else None),
+                            ("max", values.max() if len(values) else None)):
+            out[f"{col}_{what}"] = None if value is None else float(value)
+    return out
 
 
 def error_tail(info: dict, lines: int = 3) -> list[str]:
     """The last lines of a crashed run's traceback (the exception's line last)."""
-    kept = [line.rstrip() for line in (info.get("error") or "").strip().splitlines() if line.strip()]
-    return kept[-lines:] or ["(no traceback stored)"]
+    return traceback_tail(info.get("error"), lines) or ["(no traceback stored)"]
