@@ -96,6 +96,11 @@ def _check_against_run_file(ea: EventAccumulator, run: Path, text_tag: str = "am
     assert set(modules["step"]) <= set(headroom) and len(modules) >= 5
     for row in modules.itertuples():
         assert _close(headroom[row.step], 65504.0 / row.amax) or headroom[row.step] == 0.0
+    memory = sql_frame(run, "SELECT step, host_rss FROM memory WHERE host_rss IS NOT NULL")
+    if len(memory):  # Linux: the process's resident bytes at each commit, at the commit's last step
+        rss = _series(ea, "amp/memory/host_rss")
+        assert sorted(rss) == memory["step"].tolist()
+        assert all(_close(rss[s], v) for s, v in zip(memory["step"], memory["host_rss"]))
     findings = ampwatch.diagnose(str(run))
     texts = _texts(ea, text_tag)
     assert findings and set(texts) == {f.steps[0] for f in findings}

@@ -49,7 +49,7 @@ class Mirror:
     def _send(self, rows: Any, info: dict, notices: list) -> None:
         if info.get("amp_dtype"):
             self.builder.amp_dtype = info["amp_dtype"]
-        points = self.builder.points(rows.steps, rows.layers, rows.modules)
+        points = self.builder.points(rows.steps, rows.layers, rows.modules, rows.memory)
         if points:
             self.sink.scalars(points)
         if notices:

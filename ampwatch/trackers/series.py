@@ -22,10 +22,12 @@ LAYER_GRAD_NORM = PREFIX + "layer_grad_norm/"   # + parameter name
 HEADROOM = PREFIX + "fp16_headroom_min"         # 65504 / the largest fp16 activation of the step
 FINDINGS = PREFIX + "findings"                  # the doctor's findings, as text at their first step
 NOTICES = PREFIX + "notices"                    # what the recorder noticed (misuse), as text
+MEMORY = PREFIX + "memory/"                      # + host_rss, device_allocated, device_reserved (bytes)
 
 STEP_COLUMNS = "step, time, duration_s, loss, loss_scale, skipped, grad_norm, lr, micro_batches, nan_mask"
 LAYER_COLUMNS = "param_id, step, grad_norm, grad_amax, param_norm, grad_nonfinite, grad_zero_frac, nan_mask"
 MODULE_COLUMNS = "module_id, phase, step, amax, nonfinite"
+MEMORY_COLUMNS = ("step", "host_rss", "device_allocated", "device_reserved")
 
 
 @dataclass
@@ -58,9 +60,10 @@ class SeriesBuilder:
         self.amp_dtype = amp_dtype
 
     def points(self, steps: Iterable[tuple], layers: Iterable[tuple] = (),
-               modules: Iterable[tuple] = ()) -> list[Point]:
+               modules: Iterable[tuple] = (), memory: Iterable[tuple] = ()) -> list[Point]:
         """Points in step order: one per step row, per-layer norms and headroom on the steps that
-        have layer and module rows (``layer_every`` steps, skipped and non-finite steps)."""
+        have layer and module rows (``layer_every`` steps, skipped and non-finite steps), and the
+        process's memory on the steps it was read at."""
         by_step: dict[int, Point] = {}
         for step, time, _dur, loss, scale, skipped, grad_norm, lr, _mb, mask in steps:
             values = {SKIPPED: float(skipped)}
@@ -80,6 +83,10 @@ class SeriesBuilder:
                 headroom = FP16_MAX / amax if math.isfinite(amax) and amax > 0 else (
                     math.inf if amax == 0 else 0.0)
                 self._point(by_step, step).values[HEADROOM] = headroom
+        for row in memory:
+            for column, value in zip(MEMORY_COLUMNS[1:], row[1:]):
+                if value is not None:
+                    self._point(by_step, row[0]).values[MEMORY + column] = float(value)
         return [by_step[s] for s in sorted(by_step)]
 
     def _largest_activation(self, modules: Iterable[tuple]) -> dict[int, float]:
@@ -117,6 +124,7 @@ def read_points(conn: sqlite3.Connection, chunk_steps: int = 20_000) -> Iterator
     lo, hi = conn.execute("SELECT MIN(step), MAX(step) FROM steps").fetchone()
     if lo is None:
         return
+    has_memory = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory'").fetchone()
     for start in range(lo, hi + 1, chunk_steps):
         bounds = (start, start + chunk_steps)
         steps = conn.execute(f"SELECT {STEP_COLUMNS} FROM steps WHERE step >= ? AND step < ? ORDER BY step",
@@ -125,7 +133,9 @@ def read_points(conn: sqlite3.Connection, chunk_steps: int = 20_000) -> Iterator
                               bounds).fetchall()
         modules = conn.execute(f"SELECT {MODULE_COLUMNS} FROM modules WHERE step >= ? AND step < ? AND phase = 0",
                                bounds).fetchall()
-        yield builder.points(steps, layers, modules)
+        memory = conn.execute(f"SELECT {', '.join(MEMORY_COLUMNS)} FROM memory WHERE step >= ? AND step < ?",
+                              bounds).fetchall() if has_memory else []
+        yield builder.points(steps, layers, modules, memory)
 
 
 def finding_texts(findings: Iterable[Any]) -> list[tuple[int, str]]:
@@ -150,5 +160,5 @@ def notice_texts(notices: Iterable[tuple]) -> list[tuple[int, str]]:
     return [(int(step or 0), f"**{code}**: {message}") for step, code, message in notices]
 
 
-__all__ = ["PREFIX", "LOSS", "SCALE", "SKIPPED", "GRAD_NORM", "LR", "LAYER_GRAD_NORM", "HEADROOM", "FINDINGS",
+__all__ = ["PREFIX", "LOSS", "SCALE", "SKIPPED", "GRAD_NORM", "LR", "LAYER_GRAD_NORM", "HEADROOM", "MEMORY", "FINDINGS",
            "NOTICES", "Point", "SeriesBuilder", "builder_for", "read_points", "finding_texts", "notice_texts"]
