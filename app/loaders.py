@@ -69,6 +69,11 @@ def overview(path: str, key: tuple, start: Optional[int] = None, end: Optional[i
     return rundata.overview_data(path, start, end)
 
 
+@st.cache_data(show_spinner=False, max_entries=64)
+def memory(path: str, key: tuple, start: Optional[int] = None, end: Optional[int] = None) -> pd.DataFrame:
+    return rundata.memory_data(path, start, end)
+
+
 @st.cache_data(show_spinner="Reading layers...", max_entries=32)
 def heatmap(path: str, key: tuple, metric: str, start: Optional[int], end: Optional[int]):
     return layerdata.layer_heatmap(path, metric, start, end)

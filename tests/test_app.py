@@ -123,6 +123,20 @@ def test_overview_numbers_and_chart_equal_sqlite(run):
     assert (_values(skipped[0].x) if skipped else []) == t["step"][t["skipped"] == 1].tolist()
 
 
+@pytest.mark.parametrize("run", SAMPLE_FILES)
+def test_overview_draws_the_memory_the_run_read(run):
+    at = _open(SAMPLES, "overview", run)
+    _no_failure(at)
+    truth = _sql(SAMPLES / run, "SELECT step, host_rss FROM memory ORDER BY step")
+    charts = [plotly.io.from_json(c.proto.spec) for c in at.get("plotly_chart")]
+    memory = next(f for f in charts if f.layout.yaxis.title.text == "MiB")
+    host = _trace(memory, "host")
+    assert _values(host.x) == truth["step"].tolist()
+    assert _values(host.y) == pytest.approx((truth["host_rss"] / 2 ** 20).tolist())
+    assert not any((t.name or "").startswith("device") for t in memory.data)  # a CPU run reads no device memory
+    assert any(h.value == "Memory" for h in at.subheader)
+
+
 def test_findings_lead_the_run_page_and_jump_to_their_steps():
     run = "overflow_storm.sqlite"
     findings = ampwatch.diagnose(ampwatch.load(SAMPLES / run))

@@ -289,3 +289,23 @@ def test_reading_never_changes_the_file(real_run):
     rundata.step_detail(real_run, 3)
     rundata.runs_table(real_run.parent)
     assert (hashlib.sha256(real_run.read_bytes()).hexdigest(), real_run.stat().st_mtime_ns) == before
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_memory_readings_equal_sqlite_and_buckets_keep_each_lowest_and_highest(path):
+    truth = _sql(path, "SELECT step, host_rss FROM memory ORDER BY step")
+    assert len(truth) >= 4  # the samples were read at each commit (about once a second)
+    every = rundata.memory_data(path)
+    assert every["step"].tolist() == truth["step"].tolist()
+    assert every["host_rss"].tolist() == truth["host_rss"].astype(float).tolist()
+    assert every["device_allocated"].isna().all()  # recorded on a CPU
+    first, last = int(truth["step"].iloc[1]), int(truth["step"].iloc[-2])
+    few = rundata.memory_data(path, first, last, buckets=2)  # fewer buckets than readings inside
+    inside = truth[truth["step"].between(first, last)]
+    width = math.ceil((last - first + 1) / 2)
+    groups = inside.groupby((inside["step"] - first) // width)["host_rss"]
+    want = sorted(list(groups.min()) + list(groups.max()))
+    assert len(few) == 2 * groups.ngroups and sorted(few["host_rss"].tolist()) == want
+    assert few["step"].is_monotonic_increasing and few["step"].min() >= first
+    empty = rundata.memory_data(path, last + 10 ** 6, last + 10 ** 6 + 5)
+    assert len(empty) == 0 and list(empty.columns) == ["step", "host_rss", "device_allocated", "device_reserved"]

@@ -227,6 +227,25 @@ def zero_grad_figure(df: pd.DataFrame) -> go.Figure:
     return fig
 
 
+MEMORY_TRACES = (("host_rss", "host (resident)", "#7f7f7f"), ("device_allocated", "device: tensors", NORM_COLOR),
+                 ("device_reserved", "device: reserved", SCALE_COLOR))
+
+
+def memory_figure(df: pd.DataFrame, height: int = 300) -> go.Figure:
+    """The process's memory by step, in MiB: one line per figure the run read."""
+    fig = go.Figure()
+    for column, label, color in MEMORY_TRACES:
+        values = df[column] if column in df else pd.Series(dtype=float)
+        if values.notna().any():
+            fig.add_trace(go.Scatter(x=df["step"], y=values / 2 ** 20, name=label, mode="lines",
+                                     line={"color": color}, connectgaps=True,
+                                     hovertemplate="step %{x}: %{y:,.1f} MiB<extra>" + label + "</extra>"))
+    fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 30, "b": 40},
+                      xaxis={"title": "step"}, yaxis={"title": "MiB", "rangemode": "tozero"},
+                      legend={"orientation": "h", "y": 1.1})
+    return fig
+
+
 def compare_figure(runs: Mapping[str, Any], skip_rates: Mapping[str, pd.DataFrame],
                    log_loss: bool = True) -> go.Figure:
     """Several runs overlaid: loss, loss scale, grad norm and skip rate on one shared step axis."""

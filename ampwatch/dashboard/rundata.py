@@ -250,6 +250,36 @@ def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = N
     return Overview(steps, skipped, nonfinite, changes, width, start, end, info)
 
 
+MEMORY_COLUMNS = ("host_rss", "device_allocated", "device_reserved")
+
+
+@reads
+def memory_data(path: Any, start: Optional[int] = None, end: Optional[int] = None,
+                buckets: int = STEP_BUCKETS) -> pd.DataFrame:
+    """The process's memory readings (bytes) in steps [start, end]: ``step`` and each column of the
+    ``memory`` table, every reading, or above ``buckets`` readings the lowest and the highest of
+    each bucket of steps (a leak shows in the lows, a spike in the highs), each at its bucket's
+    first step. Empty where the run read none (files before schema 7, a non-Linux host off CUDA)."""
+    columns = ["step", *MEMORY_COLUMNS]
+    with open_run(path) as conn:
+        known = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory'").fetchone()
+        lo, hi = _range(conn, start, end)
+        if not known or lo is None:
+            return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
+        (count,) = conn.execute("SELECT COUNT(*) FROM memory WHERE step BETWEEN ? AND ?", (lo, hi)).fetchone()
+        if count <= buckets:
+            df = frame_of(conn, f"SELECT {', '.join(columns)} FROM memory WHERE step BETWEEN ? AND ? ORDER BY step",
+                          (lo, hi))
+        else:
+            width = max(1, math.ceil((hi - lo + 1) / buckets))
+            lows = ", ".join(f"MIN({c}) AS {c}" for c in MEMORY_COLUMNS)
+            highs = ", ".join(f"MAX({c}) AS {c}" for c in MEMORY_COLUMNS)
+            group = "FROM memory WHERE step BETWEEN ? AND ? GROUP BY (step - ?) / ?"
+            df = pd.concat([frame_of(conn, f"SELECT MIN(step) AS step, {cols} {group}", (lo, hi, lo, width))
+                            for cols in (lows, highs)]).sort_values("step", kind="stable")
+    return df.astype({c: "float64" for c in MEMORY_COLUMNS}).reset_index(drop=True)
+
+
 @reads
 def skip_rate(path: Any, buckets: int = 200) -> pd.DataFrame:
     """Skipped fraction per bucket of steps (Compare's skip-rate chart): step (bucket start), rate."""

@@ -68,3 +68,10 @@ st.plotly_chart(figures.overview_figure(ov, log_loss=log_loss), width="stretch",
 drawn = "every step" if ov.bucket == 1 else f"min/max per {ov.bucket:,} steps + every skip and NaN"
 st.caption(f"Steps {ov.first:,}–{ov.last:,}, {len(ov.steps):,} points drawn ({drawn}).")
 formatting.download(ov.steps, f"{path.stem}_steps_{ov.first}-{ov.last}.csv", "Download shown steps (CSV)")
+
+memory = loaders.guarded(loaders.memory, str(path), key, ov.first, ov.last, path=path)
+if memory is not None and len(memory):
+    st.subheader("Memory")
+    st.plotly_chart(figures.memory_figure(memory), width="stretch", key="memory_chart")
+    st.caption("The process's memory, read by ampwatch's writer thread about once a second at whatever moment of "
+               "a step that fell: a floor that rises step after step is a leak (the doctor's memory-growth).")
