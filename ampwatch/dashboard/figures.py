@@ -231,8 +231,9 @@ MEMORY_TRACES = (("host_rss", "host (resident)", "#7f7f7f"), ("device_allocated"
                  ("device_reserved", "device: reserved", SCALE_COLOR))
 
 
-def memory_figure(df: pd.DataFrame, height: int = 300) -> go.Figure:
-    """The process's memory by step, in MiB: one line per figure the run read."""
+def memory_figure(df: pd.DataFrame, steps: Optional[tuple[int, int]] = None, height: int = 300) -> go.Figure:
+    """The process's memory by step, in MiB: one line per figure the run read; ``steps``: the
+    range the step charts above show (readings start at the first commit, not at step 0)."""
     fig = go.Figure()
     for column, label, color in MEMORY_TRACES:
         values = df[column] if column in df else pd.Series(dtype=float)
@@ -240,9 +241,9 @@ def memory_figure(df: pd.DataFrame, height: int = 300) -> go.Figure:
             fig.add_trace(go.Scatter(x=df["step"], y=values / 2 ** 20, name=label, mode="lines",
                                      line={"color": color}, connectgaps=True,
                                      hovertemplate="step %{x}: %{y:,.1f} MiB<extra>" + label + "</extra>"))
-    fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 30, "b": 40},
-                      xaxis={"title": "step"}, yaxis={"title": "MiB", "rangemode": "tozero"},
-                      legend={"orientation": "h", "y": 1.1})
+    fig.update_layout(height=height, margin={"l": 60, "r": 20, "t": 30, "b": 40}, showlegend=True,
+                      xaxis={"title": "step", **({"range": list(steps)} if steps else {})},
+                      yaxis={"title": "MiB", "rangemode": "tozero"}, legend={"orientation": "h", "y": 1.1})
     return fig
 
 

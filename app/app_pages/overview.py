@@ -72,6 +72,6 @@ formatting.download(ov.steps, f"{path.stem}_steps_{ov.first}-{ov.last}.csv", "Do
 memory = loaders.guarded(loaders.memory, str(path), key, ov.first, ov.last, path=path)
 if memory is not None and len(memory):
     st.subheader("Memory")
-    st.plotly_chart(figures.memory_figure(memory), width="stretch", key="memory_chart")
+    st.plotly_chart(figures.memory_figure(memory, (ov.first, ov.last)), width="stretch", key="memory_chart")
     st.caption("The process's memory, read by ampwatch's writer thread about once a second at whatever moment of "
                "a step that fell: a floor that rises step after step is a leak (the doctor's memory-growth).")
