@@ -266,6 +266,23 @@ def test_live_page_follows_a_running_run(tmp_path):
     assert fig.layout.uirevision  # Plotly keeps the zoom across refreshes
 
 
+def test_live_page_draws_the_memory_of_a_running_run(tmp_path):
+    """A leak is worth seeing while the run can still be saved: the live page draws the memory
+    readings (here written as the writer thread would, one per commit) under the step chart."""
+    path = _make_run(tmp_path / "live.sqlite", [1.0, 0.9, 0.8, 0.7], status="running")
+    conn = sqlite3.connect(path)
+    conn.executemany("INSERT INTO memory (step, host_rss) VALUES (?, ?)", [(1, 400 * 2 ** 20), (3, 480 * 2 ** 20)])
+    conn.commit()
+    conn.close()
+    at = _open(tmp_path, "live", path.name)
+    _no_failure(at)
+    memory = next(f for f in (plotly.io.from_json(c.proto.spec) for c in at.get("plotly_chart"))
+                  if f.layout.yaxis.title.text == "MiB")
+    host = _trace(memory, "host")
+    assert _values(host.x) == [1, 3] and _values(host.y) == [400.0, 480.0]
+    assert memory.layout.uirevision
+
+
 def _bad_folder(kind: str, tmp_path: Path) -> tuple[Path, str]:
     folder = tmp_path / kind
     if kind == "missing":

@@ -66,6 +66,11 @@ def _draw(following: bool = False) -> str:
         st.plotly_chart(fig, width="stretch", key="live_chart", on_select=_zoom, selection_mode="box")
         st.caption("Drag across the chart to zoom to those steps (kept across redraws); *Whole run* in the "
                    "sidebar zooms out.")
+        memory = loaders.guarded(loaders.memory, str(path), key, ov.first, ov.last, path=path)
+        if memory is not None and len(memory):  # a leak shows here while the run can still be saved
+            mem = figures.memory_figure(memory, (ov.first, ov.last), height=240)
+            mem.update_layout(uirevision=f"live-memory:{path.name}", title={"text": "memory"})
+            st.plotly_chart(mem, width="stretch", key="live_memory")
     return row["status"]
 
 
