@@ -91,3 +91,30 @@ def test_the_floor_must_rise_in_every_fifth():
     ramp = (1e9 + 4e6 * steps).astype(float)
     floors, per_step = memory_rule.floor_growth(steps, ramp)
     assert [s for s, _ in floors] == [40, 112, 184, 256, 328] and per_step == pytest.approx(4e6)
+
+
+def test_on_cuda_the_allocators_bytes_are_judged_and_a_crash_out_of_memory_follows(tmp_path):
+    """A run file as a CUDA run leaves it (written with the run writer's own statements; no GPU
+    here): the allocator's bytes in tensors rise by 8 MiB a step while the host's stay flat, and the
+    run crashed with torch's out-of-memory error. The device's figure is the one judged, and the crash
+    is attached to the growth."""
+    import sqlite3
+    import numpy as np
+    from ampwatch.store.writer import _INSERTS, create_run_file
+    from helpers.synthetic_job import step_rows
+    path = tmp_path / "cuda.sqlite"
+    create_run_file(str(path), {"name": "cuda", "status": "crashed", "started_at": 1000.0,
+                                "error": "Traceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out of "
+                                         "memory. Tried to allocate 2.00 GiB."}, [])
+    conn = sqlite3.connect(path)
+    conn.executemany(_INSERTS["steps"], step_rows(np.full(400, 0.5), np.full(400, 1.0), set()))
+    conn.executemany(_INSERTS["memory"], [(s, 3.0 * 2 ** 30, 2.0 * 2 ** 30 + 8 * 2 ** 20 * s + (s % 7) * 2 ** 28,
+                                           40.0 * 2 ** 30) for s in range(0, 400, 2)])
+    conn.commit()
+    conn.close()
+    findings = ampwatch.diagnose(path)
+    grown = next(f for f in findings if f.id == "memory-growth")
+    assert grown.evidence.startswith("device memory held by tensors (CUDA allocator): ")
+    assert "about 8 MiB a step" in grown.evidence and grown.evidence.endswith("; the run then crashed")
+    crash = next(f for f in findings if f.id == "run-crashed")
+    assert crash.cause == "memory-growth" and "CUDA out of memory" in crash.title
