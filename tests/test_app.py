@@ -439,3 +439,25 @@ def test_live_page_keeps_a_narrowed_step_range_and_follows_a_full_one(tmp_path):
     _append(path, 15, [0.8] * 5)
     at.run()
     assert _metric(at, "steps") == "20" and _values(_trace(_figure(at), "loss").x) == list(range(3, 9))
+
+
+def test_widgets_keep_their_value_across_pages():
+    """Streamlit forgets a widget's state on a page that does not draw it: a log axis turned off, a
+    layer figure or 'origins only' picked must still be so after a visit to another page."""
+    at = _open(SAMPLES, "overview", "overflow_storm.sqlite")
+    at.toggle(key="log_loss").set_value(False).run()
+    at.switch_page("app_pages/layers.py").run()
+    at.selectbox(key="layers_metric").set_value("param_norm").run()
+    at.toggle(key="layers_log:param_norm").set_value(False).run()
+    at.switch_page("app_pages/events.py").run()
+    at.toggle(key="events_origin_only").set_value(True).run()
+    at.switch_page("app_pages/overview.py").run()
+    _no_failure(at)
+    assert at.toggle(key="log_loss").value is False
+    assert _figure(at).layout.yaxis.type == "linear"
+    at.switch_page("app_pages/layers.py").run()
+    assert at.selectbox(key="layers_metric").value == "param_norm"
+    assert at.toggle(key="layers_log:param_norm").value is False
+    at.switch_page("app_pages/events.py").run()
+    assert at.toggle(key="events_origin_only").value is True
+    assert at.dataframe(key="events_table").value["origin"].all()

@@ -51,7 +51,7 @@ if len(picked) == 2:
         if found is not None:
             kind, text = headlines.diff_headline(found)
             getattr(st, kind)(text)
-log_loss = st.toggle("log loss axis", value=True, key="compare_log")
+log_loss = st.toggle("log loss axis", key=state.kept("compare_log", True))
 st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), width="stretch",
                 key="compare_chart")
 summary = runs[runs["file"].isin(picked)][["name", "status", "steps", "skipped", "skipped_pct", "final_scale",
