@@ -48,6 +48,16 @@ def test_overview_traces_carry_the_data(storm):
     assert figures.overview_figure(storm, log_loss=False).layout.yaxis.type == "linear"
 
 
+def test_skipped_crosses_are_drawn_over_the_nan_diamonds(storm):
+    """overflow_storm's every skip overflowed (grad norm inf): drawn under the diamonds, no cross showed."""
+    fig = figures.overview_figure(storm)
+    names = [t.name or "" for t in fig.data]
+    skipped = next(i for i, n in enumerate(names) if n.startswith("skipped step"))
+    nan = next(i for i, n in enumerate(names) if n.startswith("NaN/inf step"))
+    assert set(storm.skipped_steps) <= set(storm.nonfinite_steps)  # they coincide on this run
+    assert skipped > nan  # later traces are drawn on top
+
+
 def test_clip_threshold_line_only_when_known(storm):
     fig = figures.overview_figure(storm)
     lines = [s for s in fig.layout.shapes if s.type == "line"]

@@ -65,14 +65,16 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760, uirevisio
                         row_heights=[0.34, 0.22, 0.26, 0.18], subplot_titles=OVERVIEW_ROWS)
     fig.add_trace(go.Scatter(x=s["step"], y=s["loss"], name="loss", mode="lines",
                              line={"width": 1, "color": LOSS_COLOR}), 1, 1)
+    # the skips are drawn over the NaN/inf diamonds: a gradient overflow is both, and a cross under a
+    # diamond would leave a run whose every skip overflowed without one visible cross
+    if len(ov.nonfinite_steps):
+        fig.add_trace(go.Scatter(x=ov.nonfinite_steps, y=_marker_y(s, "loss", ov.nonfinite_steps, log_loss),
+                                 name=f"NaN/inf step ({len(ov.nonfinite_steps)})", mode="markers",
+                                 marker={"symbol": "diamond", "color": NONFINITE_COLOR, "size": 10}), 1, 1)
     if len(ov.skipped_steps):
         fig.add_trace(go.Scatter(x=ov.skipped_steps, y=_marker_y(s, "loss", ov.skipped_steps, log_loss),
                                  name=f"skipped step ({len(ov.skipped_steps)})", mode="markers",
                                  marker={"symbol": "x", "color": SKIP_COLOR, "size": 7}), 1, 1)
-    if len(ov.nonfinite_steps):
-        fig.add_trace(go.Scatter(x=ov.nonfinite_steps, y=_marker_y(s, "loss", ov.nonfinite_steps, log_loss),
-                                 name=f"NaN/inf step ({len(ov.nonfinite_steps)})", mode="markers",
-                                 marker={"symbol": "diamond", "color": NONFINITE_COLOR, "size": 8}), 1, 1)
     _scale_traces(fig, s, ov.scale_changes)
     fig.add_trace(go.Scatter(x=s["step"], y=s["grad_norm"], name="grad norm (unscaled, pre-clip)",
                              mode="lines", line={"width": 1, "color": NORM_COLOR}), 3, 1)
