@@ -62,6 +62,9 @@ def test_clip_threshold_line_only_when_known(storm):
     fig = figures.overview_figure(storm)
     lines = [s for s in fig.layout.shapes if s.type == "line"]
     assert storm.clip_threshold == 1.0 and [s.y0 for s in lines] == [1.0]
+    assert _trace(fig, "clip threshold 1").line.dash == "dash"  # named in the legend
+    # a text anchored to the grad-norm axis widens its autorange (to 16 for norms of 0.5-2)
+    assert all(a.yref == "paper" or a.yref.endswith("domain") for a in fig.layout.annotations)
     storm_no_clip = rundata.Overview(storm.steps, storm.skipped_steps, storm.nonfinite_steps,
                                       storm.scale_changes, 1, 0, 299, info={"config": {}})
     assert not [s for s in figures.overview_figure(storm_no_clip).layout.shapes if s.type == "line"]

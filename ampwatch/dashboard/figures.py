@@ -19,6 +19,7 @@ LOSS_COLOR, SCALE_COLOR, NORM_COLOR, LR_COLOR = "#1f77b4", "#9467bd", "#ff7f0e",
 SKIP_COLOR = "#d62728"
 GROWTH_COLOR = "#2ca02c"
 NONFINITE_COLOR = "#000000"
+CLIP_COLOR = "#7f7f7f"
 DTYPE_MAX_F16 = 65504.0
 OVERVIEW_ROWS = ("loss", "loss scale", "grad norm", "learning rate")
 # Plotly labels a short log axis's minor ticks with a bare digit ("5" for 0.5): a tickformat makes
@@ -79,8 +80,11 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760, uirevisio
     fig.add_trace(go.Scatter(x=s["step"], y=s["grad_norm"], name="grad norm (unscaled, pre-clip)",
                              mode="lines", line={"width": 1, "color": NORM_COLOR}), 3, 1)
     if ov.clip_threshold is not None:
-        fig.add_hline(y=ov.clip_threshold, line={"dash": "dash", "color": "#7f7f7f"}, row=3, col=1,
-                      annotation_text=f"clip {ov.clip_threshold:g}", annotation_position="top left")
+        # named in the legend, not by a text on the line: Plotly widens a log axis's autorange to fit a
+        # data-anchored text, which left the grad norms in the bottom third of their panel
+        fig.add_hline(y=ov.clip_threshold, line={"dash": "dash", "color": CLIP_COLOR}, row=3, col=1)
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"clip threshold {ov.clip_threshold:g}",
+                                 line={"dash": "dash", "color": CLIP_COLOR}, hoverinfo="skip"), 3, 1)
     fig.add_trace(go.Scatter(x=s["step"], y=s["lr"], name="lr", mode="lines",
                              line={"width": 1, "color": LR_COLOR}), 4, 1)
     lr_max = pd.to_numeric(s["lr"], errors="coerce").max() if len(s) else None
