@@ -184,3 +184,16 @@ def test_heatmap_single_steps_start_where_they_happened_on_a_step_axis():
     wide = layerdata.LayerGrid(names=["a"], metric="grad_norm", bucket_starts=np.array([0, 10, 20]), width=10,
                               values=np.ones((1, 3)), nonfinite=np.zeros((1, 3), dtype=bool))
     assert list(figures.heatmap_figure(wide).data[0].x) == [0, 10, 20]  # buckets: their starts
+
+
+def test_a_log_axis_of_one_or_two_decades_is_labelled_at_1_2_5():
+    """diverged's loss runs 0.32-4.2: Plotly labelled every digit in full (0.3 0.4 ... 0.9 1 2 3 4),
+    nine labels stacked into the bottom of a 175-pixel panel."""
+    fig = figures.overview_figure(rundata.overview_data(SAMPLES / "diverged.sqlite"))
+    ticks = np.asarray(fig.layout.yaxis.tickvals, dtype=float)
+    assert fig.layout.yaxis.tickmode == "array" and len(ticks)
+    assert {round(t / 10.0 ** np.floor(np.log10(t) + 1e-9)) for t in ticks} == {1, 2, 5}
+    shown = ticks[(ticks >= 0.32) & (ticks <= 4.2)]
+    assert shown.tolist() == pytest.approx([0.5, 1, 2])
+    wide = figures.overview_figure(rundata.overview_data(SAMPLES / "healthy_fp16.sqlite"), log_loss=False)
+    assert wide.layout.yaxis.type == "linear" and wide.layout.yaxis.tickvals is None

@@ -43,6 +43,22 @@ def _log2_ticks(values: pd.Series) -> dict[str, Any]:
     return {"tickvals": [2.0 ** k for k in ks], "ticktext": [f"2^{k}" for k in ks]}
 
 
+def _log_ticks(*values: Any) -> dict[str, Any]:
+    """Ticks at 1, 2 and 5 per decade for a log axis spanning about one to three decades, where
+    Plotly would label every digit (0.3 0.4 ... 0.9 1 2 3 4: with LOG_AXIS's full numbers they run into
+    each other on a short panel); other spans keep Plotly's own (a linear-looking set under one
+    decade, one per decade beyond)."""
+    v = pd.to_numeric(pd.concat([pd.Series(x, dtype=float) for x in values]), errors="coerce")
+    v = v[np.isfinite(v) & (v > 0)]
+    if v.empty:
+        return {}
+    lo, hi = math.log10(v.min()), math.log10(v.max())
+    if not 0.8 <= hi - lo < 3:
+        return {}
+    ticks = [m * 10.0 ** k for k in range(math.floor(lo) - 1, math.ceil(hi) + 2) for m in (1, 2, 5)]
+    return {"tickmode": "array", "tickvals": ticks}
+
+
 def _marker_y(steps: pd.DataFrame, col: str, at: np.ndarray, log: bool) -> np.ndarray:
     """y for a marker at steps ``at``: the series' value there, or the bottom of the plotted range."""
     values = steps.set_index("step")[col].reindex(at).to_numpy(dtype=float)
@@ -91,9 +107,10 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760, uirevisio
     # an explicit range: Plotly pads a constant series by +-1, which flattens lr = 3e-4 onto zero
     lr_range = [0, 1.15 * float(lr_max)] if lr_max is not None and np.isfinite(lr_max) and lr_max > 0 else None
     fig.update_yaxes(rangemode="tozero", exponentformat="e", range=lr_range, row=4, col=1)
-    fig.update_yaxes(**(LOG_AXIS if log_loss else {"type": "linear"}), row=1, col=1)
+    fig.update_yaxes(**({**LOG_AXIS, **_log_ticks(s["loss"])} if log_loss else {"type": "linear"}), row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(s["loss_scale"]))
-    fig.update_yaxes(**LOG_AXIS, row=3, col=1)
+    clip = [] if ov.clip_threshold is None else [ov.clip_threshold]
+    fig.update_yaxes(**LOG_AXIS, **_log_ticks(s["grad_norm"], clip), row=3, col=1)
     fig.update_xaxes(title_text="step", row=4, col=1)
     if uirevision is None:
         uirevision = str(getattr(ov, "first", ""))
@@ -252,9 +269,11 @@ def compare_figure(runs: Mapping[str, Any], skip_rates: Mapping[str, pd.DataFram
             fig.add_trace(go.Scatter(x=rate["step"], y=rate["rate"], name=name, legendgroup=name, showlegend=False,
                                      mode="lines", line={"color": color, "shape": "hv"}), 4, 1)
     all_scales = pd.concat([ov.steps["loss_scale"] for ov in runs.values()]) if runs else pd.Series(dtype=float)
-    fig.update_yaxes(**(LOG_AXIS if log_loss else {"type": "linear"}), row=1, col=1)
+    losses = [ov.steps["loss"] for ov in runs.values()]
+    norms = [ov.steps["grad_norm"] for ov in runs.values()]
+    fig.update_yaxes(**({**LOG_AXIS, **_log_ticks(*losses)} if log_loss else {"type": "linear"}), row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(all_scales))
-    fig.update_yaxes(**LOG_AXIS, row=3, col=1)
+    fig.update_yaxes(**LOG_AXIS, **_log_ticks(*norms), row=3, col=1)
     fig.update_yaxes(range=[0, 1], row=4, col=1)
     fig.update_xaxes(title_text="step", row=4, col=1)
     fig.update_layout(height=820, hovermode="x unified", uirevision="compare",
