@@ -97,7 +97,11 @@ def test_runs_table_numbers_equal_sqlite():
         row = shown.loc[name]
         assert row["steps"] == steps["n"]
         assert row["skipped_pct"] == pytest.approx(100 * steps["k"] / steps["n"])
-        assert row["final_scale"] == ("–" if pd.isna(last["loss_scale"]) else f"{last['loss_scale']:.4g}")
+        scale = last["loss_scale"]  # as the overview's headline: 65536, 2^-53 (not 6.554e+04, 1.11e-16)
+        assert row["final_scale"] == ("–" if pd.isna(scale) else f"{scale:g}" if 1 <= scale < 1e7
+                                      else f"2^{int(math.log2(scale))}")
+    assert shown.loc["diverged.sqlite", "final_scale"] == "2^-53"
+    assert shown.loc["healthy_fp16.sqlite", "final_scale"] == "65536"
     at.text_input(key="runs_filter").input("storm").run()
     assert list(at.dataframe(key="runs_table").value["file"]) == ["overflow_storm.sqlite"]
 

@@ -56,6 +56,6 @@ st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), wid
                 key="compare_chart")
 summary = runs[runs["file"].isin(picked)][["name", "status", "steps", "skipped", "skipped_pct", "final_scale",
                                            "first_nonfinite_step", "last_loss"]]
-st.dataframe(formatting.readable(summary, {"final_scale": "–", "last_loss": "NaN"}), hide_index=True,
+st.dataframe(formatting.runs_for_display(summary), hide_index=True,
              key="compare_table", column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f")})
 formatting.download(pd.concat(rows, ignore_index=True), "compare_steps.csv", "Download shown steps (CSV)")

@@ -28,7 +28,7 @@ def _pick() -> None:
         st.session_state["compare"] = files
 
 
-st.dataframe(formatting.readable(shown[columns], {"final_scale": "–", "last_loss": "NaN"}), key="runs_table",
+st.dataframe(formatting.runs_for_display(shown[columns]), key="runs_table",
              on_select=_pick, selection_mode="multi-row", hide_index=True,
              column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
                             "final_scale": "final loss scale", "last_loss": "last loss",
