@@ -465,3 +465,18 @@ def test_widgets_keep_their_value_across_pages():
     at.switch_page("app_pages/events.py").run()
     assert at.toggle(key="events_origin_only").value is True
     assert at.dataframe(key="events_table").value["origin"].all()
+
+
+def test_compare_starts_from_the_open_run_and_keeps_the_picks():
+    """Compare used to open on the folder's first four runs, leaving out the run the user was on."""
+    run = SAMPLE_FILES[-1]  # overflow_storm: fifth of five
+    at = _open(SAMPLES, "compare", run)
+    _no_failure(at)
+    assert at.multiselect(key="compare_pick").value[0] == run
+    legend = [t.name for t in _figure(at).data if t.showlegend]
+    assert legend[0] == run.rsplit(".", 1)[0] and len(legend) == 4
+    picked = [run, SAMPLE_FILES[0]]
+    at.multiselect(key="compare_pick").set_value(picked).run()
+    at.switch_page("app_pages/overview.py").run()
+    at.switch_page("app_pages/compare.py").run()
+    assert at.multiselect(key="compare_pick").value == picked  # kept across pages
