@@ -480,3 +480,18 @@ def test_compare_starts_from_the_open_run_and_keeps_the_picks():
     at.switch_page("app_pages/overview.py").run()
     at.switch_page("app_pages/compare.py").run()
     assert at.multiselect(key="compare_pick").value == picked  # kept across pages
+
+
+def test_inspector_opens_on_the_step_the_doctor_names():
+    """The overview says 'NaN/inf born at step 120' on overflow_storm; the inspector opened on step 6
+    (an isolated gradient overflow the scaler handled)."""
+    run = "overflow_storm.sqlite"
+    origin = next(f for f in ampwatch.diagnose(ampwatch.load(SAMPLES / run))
+                  if f.id == "nonfinite-origin" and not f.cause)
+    at = _open(SAMPLES, "inspector", run)
+    _no_failure(at)
+    assert at.number_input(key="inspect_step").value == origin.steps[0] == 120
+    assert _metric(_open(SAMPLES, "overview", run), "NaN/inf born at step") == "120"
+    at = _open(SAMPLES, "inspector", "healthy_fp16.sqlite")  # no origin named: the first after warm-up
+    first = _sql(SAMPLES / "healthy_fp16.sqlite", "SELECT MIN(step) s FROM steps WHERE step > 0 AND skipped")
+    assert at.number_input(key="inspect_step").value == int(first["s"].iloc[0])
