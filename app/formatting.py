@@ -39,6 +39,15 @@ def readable(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     return out
 
 
+def runs_for_display(df: pd.DataFrame) -> pd.DataFrame:
+    """A runs table for display: the final loss scale as the overview's headline writes it (65536,
+    2^-53), not 6.554e+04, and '–' without a scaler; a NaN last loss stays 'NaN', none logged is '–'."""
+    out = readable(df, {"last_loss": "NaN"})
+    out["final_scale"] = ["–" if v is None or v != v else fmt_scale(v)  # NULL (no scaler) reads NaN in pandas
+                          for v in out["final_scale"].astype(object)]
+    return out
+
+
 def download(df: pd.DataFrame, name: str, label: str = "Download CSV") -> None:
     st.download_button(label, df.to_csv(index=False).encode(), file_name=name, mime="text/csv",
                        key=f"dl:{name}")

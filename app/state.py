@@ -199,6 +199,17 @@ def step_range(path: Path, first: int, last: int) -> tuple[int, int]:
     return st.session_state[src]
 
 
+def kept(key: str, default: Any) -> str:
+    """``key`` for a widget whose value outlives pages that do not draw it: Streamlit forgets a
+    widget's state once a run does not draw it, so the value also lives under a plain key and seeds
+    the widget when its page is drawn again. Draw the widget without a default of its own."""
+    src = f"_kept:{key}"
+    if key not in st.session_state:
+        st.session_state[key] = st.session_state.get(src, default)
+    st.session_state[src] = st.session_state[key]
+    return key
+
+
 def inspect_step(first: int, last: int, default: int) -> int:
     """The step inspector's step (kept across pages; events and findings set it)."""
     step = st.session_state.get("_inspect")

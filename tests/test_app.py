@@ -97,7 +97,11 @@ def test_runs_table_numbers_equal_sqlite():
         row = shown.loc[name]
         assert row["steps"] == steps["n"]
         assert row["skipped_pct"] == pytest.approx(100 * steps["k"] / steps["n"])
-        assert row["final_scale"] == ("–" if pd.isna(last["loss_scale"]) else f"{last['loss_scale']:.4g}")
+        scale = last["loss_scale"]  # as the overview's headline: 65536, 2^-53 (not 6.554e+04, 1.11e-16)
+        assert row["final_scale"] == ("–" if pd.isna(scale) else f"{scale:g}" if 1 <= scale < 1e7
+                                      else f"2^{int(math.log2(scale))}")
+    assert shown.loc["diverged.sqlite", "final_scale"] == "2^-53"
+    assert shown.loc["healthy_fp16.sqlite", "final_scale"] == "65536"
     at.text_input(key="runs_filter").input("storm").run()
     assert list(at.dataframe(key="runs_table").value["file"]) == ["overflow_storm.sqlite"]
 
@@ -470,3 +474,55 @@ def test_live_page_keeps_a_narrowed_step_range_and_follows_a_full_one(tmp_path):
     _append(path, 15, [0.8] * 5)
     at.run()
     assert _metric(at, "steps") == "20" and _values(_trace(_figure(at), "loss").x) == list(range(3, 9))
+
+
+def test_widgets_keep_their_value_across_pages():
+    """Streamlit forgets a widget's state on a page that does not draw it: a log axis turned off, a
+    layer figure or 'origins only' picked must still be so after a visit to another page."""
+    at = _open(SAMPLES, "overview", "overflow_storm.sqlite")
+    at.toggle(key="log_loss").set_value(False).run()
+    at.switch_page("app_pages/layers.py").run()
+    at.selectbox(key="layers_metric").set_value("param_norm").run()
+    at.toggle(key="layers_log:param_norm").set_value(False).run()
+    at.switch_page("app_pages/events.py").run()
+    at.toggle(key="events_origin_only").set_value(True).run()
+    at.switch_page("app_pages/overview.py").run()
+    _no_failure(at)
+    assert at.toggle(key="log_loss").value is False
+    assert _figure(at).layout.yaxis.type == "linear"
+    at.switch_page("app_pages/layers.py").run()
+    assert at.selectbox(key="layers_metric").value == "param_norm"
+    assert at.toggle(key="layers_log:param_norm").value is False
+    at.switch_page("app_pages/events.py").run()
+    assert at.toggle(key="events_origin_only").value is True
+    assert at.dataframe(key="events_table").value["origin"].all()
+
+
+def test_compare_starts_from_the_open_run_and_keeps_the_picks():
+    """Compare used to open on the folder's first four runs, leaving out the run the user was on."""
+    run = SAMPLE_FILES[-1]  # overflow_storm: fifth of five
+    at = _open(SAMPLES, "compare", run)
+    _no_failure(at)
+    assert at.multiselect(key="compare_pick").value[0] == run
+    legend = [t.name for t in _figure(at).data if t.showlegend]
+    assert legend[0] == run.rsplit(".", 1)[0] and len(legend) == 4
+    picked = [run, SAMPLE_FILES[0]]
+    at.multiselect(key="compare_pick").set_value(picked).run()
+    at.switch_page("app_pages/overview.py").run()
+    at.switch_page("app_pages/compare.py").run()
+    assert at.multiselect(key="compare_pick").value == picked  # kept across pages
+
+
+def test_inspector_opens_on_the_step_the_doctor_names():
+    """The overview says 'NaN/inf born at step 120' on overflow_storm; the inspector opened on step 6
+    (an isolated gradient overflow the scaler handled)."""
+    run = "overflow_storm.sqlite"
+    origin = next(f for f in ampwatch.diagnose(ampwatch.load(SAMPLES / run))
+                  if f.id == "nonfinite-origin" and not f.cause)
+    at = _open(SAMPLES, "inspector", run)
+    _no_failure(at)
+    assert at.number_input(key="inspect_step").value == origin.steps[0] == 120
+    assert _metric(_open(SAMPLES, "overview", run), "NaN/inf born at step") == "120"
+    at = _open(SAMPLES, "inspector", "healthy_fp16.sqlite")  # no origin named: the first after warm-up
+    first = _sql(SAMPLES / "healthy_fp16.sqlite", "SELECT MIN(step) s FROM steps WHERE step > 0 AND skipped")
+    assert at.number_input(key="inspect_step").value == int(first["s"].iloc[0])

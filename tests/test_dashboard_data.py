@@ -309,3 +309,19 @@ def test_memory_readings_equal_sqlite_and_buckets_keep_each_lowest_and_highest(p
     assert few["step"].is_monotonic_increasing and few["step"].min() >= first
     empty = rundata.memory_data(path, last + 10 ** 6, last + 10 ** 6 + 5)
     assert len(empty) == 0 and list(empty.columns) == ["step", "host_rss", "device_allocated", "device_reserved"]
+
+
+def test_headroom_of_an_fp8_run_is_not_against_float16(tmp_path):
+    """An fp8 run (amp_dtype 'float8') was measured against float16's 65504: a bfloat16 model's
+    backward at 2e4 read 'within 4x of the 65504 limit'."""
+    import shutil
+    healthy = next(p for p in SAMPLES if p.name == "healthy_fp16.sqlite")
+    path = tmp_path / "fp8.sqlite"
+    shutil.copy(healthy, path)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("UPDATE run SET amp_dtype = 'float8'")
+    conn.close()
+    df = layerdata.module_headroom(path)
+    assert len(df) and (df["limit"] == 3.3895313892515355e38).all()  # bfloat16's: torchao's lower high precision
+    assert (layerdata.module_headroom(healthy)["limit"] == 65504.0).all()

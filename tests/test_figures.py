@@ -48,10 +48,23 @@ def test_overview_traces_carry_the_data(storm):
     assert figures.overview_figure(storm, log_loss=False).layout.yaxis.type == "linear"
 
 
+def test_skipped_crosses_are_drawn_over_the_nan_diamonds(storm):
+    """overflow_storm's every skip overflowed (grad norm inf): drawn under the diamonds, no cross showed."""
+    fig = figures.overview_figure(storm)
+    names = [t.name or "" for t in fig.data]
+    skipped = next(i for i, n in enumerate(names) if n.startswith("skipped step"))
+    nan = next(i for i, n in enumerate(names) if n.startswith("NaN/inf step"))
+    assert set(storm.skipped_steps) <= set(storm.nonfinite_steps)  # they coincide on this run
+    assert skipped > nan  # later traces are drawn on top
+
+
 def test_clip_threshold_line_only_when_known(storm):
     fig = figures.overview_figure(storm)
     lines = [s for s in fig.layout.shapes if s.type == "line"]
     assert storm.clip_threshold == 1.0 and [s.y0 for s in lines] == [1.0]
+    assert _trace(fig, "clip threshold 1").line.dash == "dash"  # named in the legend
+    # a text anchored to the grad-norm axis widens its autorange (to 16 for norms of 0.5-2)
+    assert all(a.yref == "paper" or a.yref.endswith("domain") for a in fig.layout.annotations)
     storm_no_clip = rundata.Overview(storm.steps, storm.skipped_steps, storm.nonfinite_steps,
                                       storm.scale_changes, 1, 0, 299, info={"config": {}})
     assert not [s for s in figures.overview_figure(storm_no_clip).layout.shapes if s.type == "line"]
@@ -171,3 +184,16 @@ def test_heatmap_single_steps_start_where_they_happened_on_a_step_axis():
     wide = layerdata.LayerGrid(names=["a"], metric="grad_norm", bucket_starts=np.array([0, 10, 20]), width=10,
                               values=np.ones((1, 3)), nonfinite=np.zeros((1, 3), dtype=bool))
     assert list(figures.heatmap_figure(wide).data[0].x) == [0, 10, 20]  # buckets: their starts
+
+
+def test_a_log_axis_of_one_or_two_decades_is_labelled_at_1_2_5():
+    """diverged's loss runs 0.32-4.2: Plotly labelled every digit in full (0.3 0.4 ... 0.9 1 2 3 4),
+    nine labels stacked into the bottom of a 175-pixel panel."""
+    fig = figures.overview_figure(rundata.overview_data(SAMPLES / "diverged.sqlite"))
+    ticks = np.asarray(fig.layout.yaxis.tickvals, dtype=float)
+    assert fig.layout.yaxis.tickmode == "array" and len(ticks)
+    assert {round(t / 10.0 ** np.floor(np.log10(t) + 1e-9)) for t in ticks} == {1, 2, 5}
+    shown = ticks[(ticks >= 0.32) & (ticks <= 4.2)]
+    assert shown.tolist() == pytest.approx([0.5, 1, 2])
+    wide = figures.overview_figure(rundata.overview_data(SAMPLES / "healthy_fp16.sqlite"), log_loss=False)
+    assert wide.layout.yaxis.type == "linear" and wide.layout.yaxis.tickvals is None

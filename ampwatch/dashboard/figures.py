@@ -19,6 +19,7 @@ LOSS_COLOR, SCALE_COLOR, NORM_COLOR, LR_COLOR = "#1f77b4", "#9467bd", "#ff7f0e",
 SKIP_COLOR = "#d62728"
 GROWTH_COLOR = "#2ca02c"
 NONFINITE_COLOR = "#000000"
+CLIP_COLOR = "#7f7f7f"
 DTYPE_MAX_F16 = 65504.0
 OVERVIEW_ROWS = ("loss", "loss scale", "grad norm", "learning rate")
 # Plotly labels a short log axis's minor ticks with a bare digit ("5" for 0.5): a tickformat makes
@@ -40,6 +41,22 @@ def _log2_ticks(values: pd.Series) -> dict[str, Any]:
     step = max(1, math.ceil((hi - lo + 1) / 7))  # about 7 labels: the panel is short
     ks = list(range(lo, hi + 1, step))
     return {"tickvals": [2.0 ** k for k in ks], "ticktext": [f"2^{k}" for k in ks]}
+
+
+def _log_ticks(*values: Any) -> dict[str, Any]:
+    """Ticks at 1, 2 and 5 per decade for a log axis spanning about one to three decades, where
+    Plotly would label every digit (0.3 0.4 ... 0.9 1 2 3 4: with LOG_AXIS's full numbers they run into
+    each other on a short panel); other spans keep Plotly's own (a linear-looking set under one
+    decade, one per decade beyond)."""
+    v = pd.to_numeric(pd.concat([pd.Series(x, dtype=float) for x in values]), errors="coerce")
+    v = v[np.isfinite(v) & (v > 0)]
+    if v.empty:
+        return {}
+    lo, hi = math.log10(v.min()), math.log10(v.max())
+    if not 0.8 <= hi - lo < 3:
+        return {}
+    ticks = [m * 10.0 ** k for k in range(math.floor(lo) - 1, math.ceil(hi) + 2) for m in (1, 2, 5)]
+    return {"tickmode": "array", "tickvals": ticks}
 
 
 def _marker_y(steps: pd.DataFrame, col: str, at: np.ndarray, log: bool) -> np.ndarray:
@@ -65,29 +82,35 @@ def overview_figure(ov: Any, log_loss: bool = True, height: int = 760, uirevisio
                         row_heights=[0.34, 0.22, 0.26, 0.18], subplot_titles=OVERVIEW_ROWS)
     fig.add_trace(go.Scatter(x=s["step"], y=s["loss"], name="loss", mode="lines",
                              line={"width": 1, "color": LOSS_COLOR}), 1, 1)
+    # the skips are drawn over the NaN/inf diamonds: a gradient overflow is both, and a cross under a
+    # diamond would leave a run whose every skip overflowed without one visible cross
+    if len(ov.nonfinite_steps):
+        fig.add_trace(go.Scatter(x=ov.nonfinite_steps, y=_marker_y(s, "loss", ov.nonfinite_steps, log_loss),
+                                 name=f"NaN/inf step ({len(ov.nonfinite_steps)})", mode="markers",
+                                 marker={"symbol": "diamond", "color": NONFINITE_COLOR, "size": 10}), 1, 1)
     if len(ov.skipped_steps):
         fig.add_trace(go.Scatter(x=ov.skipped_steps, y=_marker_y(s, "loss", ov.skipped_steps, log_loss),
                                  name=f"skipped step ({len(ov.skipped_steps)})", mode="markers",
                                  marker={"symbol": "x", "color": SKIP_COLOR, "size": 7}), 1, 1)
-    if len(ov.nonfinite_steps):
-        fig.add_trace(go.Scatter(x=ov.nonfinite_steps, y=_marker_y(s, "loss", ov.nonfinite_steps, log_loss),
-                                 name=f"NaN/inf step ({len(ov.nonfinite_steps)})", mode="markers",
-                                 marker={"symbol": "diamond", "color": NONFINITE_COLOR, "size": 8}), 1, 1)
     _scale_traces(fig, s, ov.scale_changes)
     fig.add_trace(go.Scatter(x=s["step"], y=s["grad_norm"], name="grad norm (unscaled, pre-clip)",
                              mode="lines", line={"width": 1, "color": NORM_COLOR}), 3, 1)
     if ov.clip_threshold is not None:
-        fig.add_hline(y=ov.clip_threshold, line={"dash": "dash", "color": "#7f7f7f"}, row=3, col=1,
-                      annotation_text=f"clip {ov.clip_threshold:g}", annotation_position="top left")
+        # named in the legend, not by a text on the line: Plotly widens a log axis's autorange to fit a
+        # data-anchored text, which left the grad norms in the bottom third of their panel
+        fig.add_hline(y=ov.clip_threshold, line={"dash": "dash", "color": CLIP_COLOR}, row=3, col=1)
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"clip threshold {ov.clip_threshold:g}",
+                                 line={"dash": "dash", "color": CLIP_COLOR}, hoverinfo="skip"), 3, 1)
     fig.add_trace(go.Scatter(x=s["step"], y=s["lr"], name="lr", mode="lines",
                              line={"width": 1, "color": LR_COLOR}), 4, 1)
     lr_max = pd.to_numeric(s["lr"], errors="coerce").max() if len(s) else None
     # an explicit range: Plotly pads a constant series by +-1, which flattens lr = 3e-4 onto zero
     lr_range = [0, 1.15 * float(lr_max)] if lr_max is not None and np.isfinite(lr_max) and lr_max > 0 else None
     fig.update_yaxes(rangemode="tozero", exponentformat="e", range=lr_range, row=4, col=1)
-    fig.update_yaxes(**(LOG_AXIS if log_loss else {"type": "linear"}), row=1, col=1)
+    fig.update_yaxes(**({**LOG_AXIS, **_log_ticks(s["loss"])} if log_loss else {"type": "linear"}), row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(s["loss_scale"]))
-    fig.update_yaxes(**LOG_AXIS, row=3, col=1)
+    clip = [] if ov.clip_threshold is None else [ov.clip_threshold]
+    fig.update_yaxes(**LOG_AXIS, **_log_ticks(s["grad_norm"], clip), row=3, col=1)
     fig.update_xaxes(title_text="step", row=4, col=1)
     if uirevision is None:
         uirevision = str(getattr(ov, "first", ""))
@@ -266,9 +289,11 @@ def compare_figure(runs: Mapping[str, Any], skip_rates: Mapping[str, pd.DataFram
             fig.add_trace(go.Scatter(x=rate["step"], y=rate["rate"], name=name, legendgroup=name, showlegend=False,
                                      mode="lines", line={"color": color, "shape": "hv"}), 4, 1)
     all_scales = pd.concat([ov.steps["loss_scale"] for ov in runs.values()]) if runs else pd.Series(dtype=float)
-    fig.update_yaxes(**(LOG_AXIS if log_loss else {"type": "linear"}), row=1, col=1)
+    losses = [ov.steps["loss"] for ov in runs.values()]
+    norms = [ov.steps["grad_norm"] for ov in runs.values()]
+    fig.update_yaxes(**({**LOG_AXIS, **_log_ticks(*losses)} if log_loss else {"type": "linear"}), row=1, col=1)
     fig.update_yaxes(type="log", row=2, col=1, **_log2_ticks(all_scales))
-    fig.update_yaxes(**LOG_AXIS, row=3, col=1)
+    fig.update_yaxes(**LOG_AXIS, **_log_ticks(*norms), row=3, col=1)
     fig.update_yaxes(range=[0, 1], row=4, col=1)
     fig.update_xaxes(title_text="step", row=4, col=1)
     fig.update_layout(height=820, hovermode="x unified", uirevision="compare",

@@ -165,8 +165,8 @@ def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] =
                     buckets: int = LAYER_BUCKETS) -> pd.DataFrame:
     """Per module and phase: max |value| seen, the dtype's limit and the headroom factor (limit / amax).
 
-    The limit is the run's autocast dtype (float16: 65504). Backward amax is the *scaled* gradient,
-    which is what overflows.
+    The limit is the run's autocast dtype (float16: 65504; an fp8 run's, bfloat16's). Backward amax is
+    the *scaled* gradient, which is what overflows.
     """
     with open_run(path) as conn:
         info = run_info(conn)
@@ -193,7 +193,10 @@ def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] =
     df["phase"] = np.where(df["phase"] == 0, "forward", "backward")
     df = df.merge(bad, on=["module", "phase"], how="left")
     df["nonfinite_steps"] = df["nonfinite_steps"].fillna(0).astype(int)
-    limit = DTYPE_MAX.get(info.get("amp_dtype") or "float16", DTYPE_MAX["float16"])
+    dtype = info.get("amp_dtype") or "float16"
+    if dtype == "float8":  # torchao keeps an fp8 run's values in bfloat16 or float32 between its casts,
+        dtype = "bfloat16"  # which are scaled per tensor (the FP8 page): bfloat16's is the lower limit
+    limit = DTYPE_MAX.get(dtype, DTYPE_MAX["float16"])
     df["limit"] = limit
     with np.errstate(divide="ignore"):
         df["headroom"] = limit / df["amax"]

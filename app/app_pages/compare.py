@@ -18,12 +18,18 @@ files = runs["file"].tolist() if len(runs) else []
 if len(files) < 2:
     st.info("Compare needs at least two readable runs in the folder.")
     st.stop()
-wanted = [f for f in st.session_state.get("compare") or [] if f in files]
-if len(wanted) < 2:
-    wanted = files[: min(4, len(files))]
-if "compare_pick" not in st.session_state or not set(st.session_state["compare_pick"]) <= set(files):
-    st.session_state["compare_pick"] = wanted
-picked = st.multiselect("Runs", files, key="compare_pick")
+wanted = [f for f in st.session_state.get("compare") or [] if f in files]  # rows selected on the Runs page
+if len(wanted) < 2:  # else the open run, then the folder's next ones
+    current = st.session_state["_run"].name
+    wanted = ([current] if current in files else []) + [f for f in files if f != current]
+    wanted = wanted[:4]
+kept = st.session_state.get("_kept:compare_pick") or []
+if st.session_state.get("_compare_from") != wanted or not set(kept) <= set(files):
+    # a new selection on the Runs page (or another open run) starts over; else the picks stay
+    st.session_state["_compare_from"] = wanted
+    st.session_state.pop("_kept:compare_pick", None)
+    st.session_state.pop("compare_pick", None)
+picked = st.multiselect("Runs", files, key=state.kept("compare_pick", wanted))
 if len(picked) < 2:
     st.info("Pick at least two runs.")
     st.stop()
@@ -51,11 +57,11 @@ if len(picked) == 2:
         if found is not None:
             kind, text = headlines.diff_headline(found)
             getattr(st, kind)(text)
-log_loss = st.toggle("log loss axis", value=True, key="compare_log")
+log_loss = st.toggle("log loss axis", key=state.kept("compare_log", True))
 st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), width="stretch",
                 key="compare_chart")
 summary = runs[runs["file"].isin(picked)][["name", "status", "steps", "skipped", "skipped_pct", "final_scale",
                                            "first_nonfinite_step", "last_loss"]]
-st.dataframe(formatting.readable(summary, {"final_scale": "–", "last_loss": "NaN"}), hide_index=True,
+st.dataframe(formatting.runs_for_display(summary), hide_index=True,
              key="compare_table", column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f")})
 formatting.download(pd.concat(rows, ignore_index=True), "compare_steps.csv", "Download shown steps (CSV)")

@@ -21,7 +21,7 @@ if ev.empty:
 origins = ev[ev["origin"]]
 kind, text = headlines.events_headline(ev, loaders.doctor_findings(path, key))
 getattr(st, kind)(text)
-only_origin = st.toggle("origins only", value=False, key="events_origin_only")
+only_origin = st.toggle("origins only", key=state.kept("events_origin_only", False))
 shown = (origins if only_origin else ev).reset_index(drop=True)
 
 

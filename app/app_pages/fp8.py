@@ -16,8 +16,8 @@ if not row["steps"]:
     st.info("This run has no steps yet.")
     st.stop()
 start, end = state.step_range(path, row["first_step"], row["last_step"])
-metric = st.segmented_control("Figure", list(LABELS), format_func=LABELS.get, default="flush_frac",
-                              key="fp8_metric") or "flush_frac"
+metric = st.segmented_control("Figure", list(LABELS), format_func=LABELS.get,
+                              key=state.kept("fp8_metric", "flush_frac")) or "flush_frac"
 g = loaders.guarded(loaders.fp8_grid, str(path), key, metric, start, end, path=path)
 if g is None:
     st.stop()

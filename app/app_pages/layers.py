@@ -14,17 +14,17 @@ if not row["steps"]:
     st.stop()
 start, end = state.step_range(path, row["first_step"], row["last_step"])
 view = st.segmented_control("View", ["Gradient heatmap", "fp16 headroom", "Zero gradients"],
-                            default="Gradient heatmap", key="layers_view") or "Gradient heatmap"
+                            key=state.kept("layers_view", "Gradient heatmap")) or "Gradient heatmap"
 
 if view == "Gradient heatmap":
-    metric = st.selectbox("Figure", loaders.LAYER_METRICS, key="layers_metric")
+    metric = st.selectbox("Figure", loaders.LAYER_METRICS, key=state.kept("layers_metric", "grad_norm"))
     grid = loaders.guarded(loaders.heatmap, str(path), key, metric, start, end, path=path)
     if grid is None:
         st.stop()
     if grid.values.size == 0:
         st.info("No per-layer rows in this range (they are written every `layer_every` steps and on bad steps).")
         st.stop()
-    log = st.toggle("log colour scale", value=metric != "grad_zero_frac", key="layers_log")
+    log = st.toggle("log colour scale", key=state.kept(f"layers_log:{metric}", metric != "grad_zero_frac"))
     st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
     st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {counted(grid.width, 'step')}: "
                f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf "

@@ -18,8 +18,8 @@ path = state.require_run()
 if path is None:
     st.stop()
 st.title("Live")
-every = st.select_slider("Refresh every (s)", [1, 2, 3, 5, 10, 30], value=3, key="live_every")
-follow = st.toggle("Refresh while the run is running", value=True, key="live_on")
+every = st.select_slider("Refresh every (s)", [1, 2, 3, 5, 10, 30], key=state.kept("live_every", 3))
+follow = st.toggle("Refresh while the run is running", key=state.kept("live_on", True))
 
 
 def _row(key: tuple):

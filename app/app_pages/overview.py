@@ -63,7 +63,7 @@ else:
 m[4].metric("last loss", formatting.fmt(row["last_loss"]))
 if ov.steps["loss"].notna().sum() == 0:
     st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")
-log_loss = st.toggle("log loss axis", value=True, key="log_loss")
+log_loss = st.toggle("log loss axis", key=state.kept("log_loss", True))
 st.plotly_chart(figures.overview_figure(ov, log_loss=log_loss), width="stretch", key="overview_chart")
 drawn = "every step" if ov.bucket == 1 else f"min/max per {ov.bucket:,} steps + every skip and NaN"
 st.caption(f"Steps {ov.first:,}–{ov.last:,}, {len(ov.steps):,} points drawn ({drawn}).")

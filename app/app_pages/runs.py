@@ -13,7 +13,7 @@ if runs.empty:
     st.info("No readable runs here. Record one with `ampwatch.attach(...)` or run `ampwatch demo`.")
     st.stop()
 
-query = st.text_input("Filter by name", key="runs_filter", placeholder="e.g. fp16")
+query = st.text_input("Filter by name", key=state.kept("runs_filter", ""), placeholder="e.g. fp16")
 shown = runs[runs["name"].str.contains(query, case=False, regex=False)] if query else runs
 columns = ["name", "health", "status", "steps", "skipped_pct", "final_scale", "first_nonfinite_step", "last_loss",
            "started", "amp_dtype", "file"]
@@ -28,7 +28,7 @@ def _pick() -> None:
         st.session_state["compare"] = files
 
 
-st.dataframe(formatting.readable(shown[columns], {"final_scale": "–", "last_loss": "NaN"}), key="runs_table",
+st.dataframe(formatting.runs_for_display(shown[columns]), key="runs_table",
              on_select=_pick, selection_mode="multi-row", hide_index=True,
              column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
                             "final_scale": "final loss scale", "last_loss": "last loss",
