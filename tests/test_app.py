@@ -495,3 +495,17 @@ def test_inspector_opens_on_the_step_the_doctor_names():
     at = _open(SAMPLES, "inspector", "healthy_fp16.sqlite")  # no origin named: the first after warm-up
     first = _sql(SAMPLES / "healthy_fp16.sqlite", "SELECT MIN(step) s FROM steps WHERE step > 0 AND skipped")
     assert at.number_input(key="inspect_step").value == int(first["s"].iloc[0])
+
+
+def test_headroom_warning_counts_and_says_how_many_it_leaves_out():
+    """overflow_storm: '9 module/phase pairs came within 4x' named 8 and dropped the ninth silently;
+    one pair read '1 module/phase pairs'."""
+    run = "overflow_storm.sqlite"
+    truth = _sql(SAMPLES / run, "SELECT m.module_id, m.phase FROM modules m GROUP BY 1, 2"
+                                " HAVING MAX(m.amax) >= 65504.0 / 4")
+    assert len(truth) == 9
+    at = _open(SAMPLES, "layers", run, state={"layers_view": "fp16 headroom"})
+    _no_failure(at)
+    text = at.warning[0].value
+    assert text.startswith("9 module/phase pairs came within 4x of the 65504 limit: ")
+    assert text.endswith(" (+1 more in the table)") and text.count(" (") == 8 + 1

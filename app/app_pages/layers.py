@@ -42,8 +42,9 @@ elif view == "fp16 headroom":
         st.stop()
     near = df[df["headroom"] <= 4]
     if len(near):
-        st.warning(f"{len(near)} module/phase pairs came within 4x of the {df['limit'].iloc[0]:.6g} limit: "
-                   + ", ".join(f"{m} ({p})" for m, p in near[["module", "phase"]].head(8).itertuples(index=False)))
+        named = ", ".join(f"{m} ({p})" for m, p in near[["module", "phase"]].head(8).itertuples(index=False))
+        st.warning(f"{counted(len(near), 'module/phase pair')} came within 4x of the {df['limit'].iloc[0]:.6g} "
+                   f"limit: {named}" + (f" (+{len(near) - 8} more in the table)" if len(near) > 8 else ""))
     st.plotly_chart(figures.headroom_figure(df), width="stretch", key="headroom")
     st.dataframe(df, hide_index=True, key="headroom_table")
     formatting.download(df, f"{path.stem}_headroom.csv")
