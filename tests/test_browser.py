@@ -118,6 +118,20 @@ def test_dashboard_in_chromium(server, browser):
     browser.save_screenshot(str(ARTIFACTS / "dashboard_overview.png"))
     assert (ARTIFACTS / "dashboard_overview.png").stat().st_size > 10_000
 
+    # a run without GradScaler: the scale panel says so inside itself, and the step axis starts at step 0
+    # (the note anchored to the dropped axes of that empty panel stretched it to -70)
+    browser.get(f"{server}/overview?run=bf16_noscaler.sqlite")
+    _wait(browser, "h1", text="bf16_noscaler")
+    _wait(browser, ".js-plotly-plot .main-svg")
+    time.sleep(1)
+    low, note_y = browser.execute_script(
+        "const L = document.querySelector('.js-plotly-plot')._fullLayout;"
+        " const a = L.annotations.find(a => a.text.includes('no loss scale'));"
+        " return [L.xaxis.range[0], a.yref === 'paper' ? a.y : -1];")
+    assert low >= -3, low  # at most a few steps of padding, not -70
+    assert 0.45 < note_y < 0.7, note_y  # the scale panel's band of the page, below the loss panel
+    _no_errors(browser)
+
     browser.get(f"{server}/layers?run=diverged.sqlite")
     _wait(browser, "h1", text="Layers")
     _wait(browser, ".js-plotly-plot .main-svg")

@@ -165,7 +165,11 @@ def test_headroom_draws_an_overflowed_module_past_the_limit():
 def test_scale_panel_says_why_it_is_empty_or_broken():
     bf16 = rundata.overview_data(SAMPLES / "bf16_noscaler.sqlite")
     fig = figures.overview_figure(bf16)
-    assert any("no loss scale recorded" in a.text for a in fig.layout.annotations)
+    note = next(a for a in fig.layout.annotations if "no loss scale recorded" in a.text)
+    # on the page, inside the scale panel: with no trace there Plotly drops its axes, and a note
+    # anchored to them landed in the loss panel and stretched the step axis to -70
+    assert note.xref == note.yref == "paper"
+    assert fig.layout.yaxis2.domain[0] < note.y < fig.layout.yaxis2.domain[1]
     steps = pd.DataFrame({"step": [0, 1, 2, 3], "loss_scale": [4.0, 0.0, 0.0, 2.0]})
     assert figures.scale_note(steps) == "scale 0 at 2 steps (1–2): not drawable on a log axis, a gap"
     assert figures.scale_note(steps.assign(loss_scale=[4.0, 0.0, 1.0, 2.0])) == \

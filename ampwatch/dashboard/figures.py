@@ -135,8 +135,12 @@ def scale_note(s: pd.DataFrame) -> Optional[str]:
 def _scale_traces(fig: go.Figure, s: pd.DataFrame, changes: pd.DataFrame) -> None:
     note = scale_note(s)
     if note:  # said in the panel itself, so an empty or broken line is never silent
-        fig.add_annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5, showarrow=False,
-                           font={"color": "#7f7f7f"}, bgcolor="rgba(255,255,255,0.8)")
+        # placed on the page by the panel's domain: Plotly drops the axes of a panel without traces, so
+        # "x2 domain" fell back to the loss axes (the note in the loss panel at step 0.5, the shared
+        # step axis stretched to -70 to fit it)
+        xd, yd = fig.layout.xaxis2.domain, fig.layout.yaxis2.domain
+        fig.add_annotation(text=note, xref="paper", yref="paper", x=(xd[0] + xd[1]) / 2, y=(yd[0] + yd[1]) / 2,
+                           showarrow=False, font={"color": "#7f7f7f"}, bgcolor="rgba(255,255,255,0.8)")
     if s["loss_scale"].notna().any():
         fig.add_trace(go.Scatter(x=s["step"], y=s["loss_scale"], name="loss scale", mode="lines",
                                  line={"shape": "hv", "width": 1.5, "color": SCALE_COLOR}), 2, 1)
