@@ -31,6 +31,11 @@ def fmt_scale(x: Any) -> str:
     return f"2^{e - 1}" if m == 0.5 else f"{x:.2g}"
 
 
+def step_span(first: int, last: int) -> str:
+    """'step 175' for one step (not 'steps 175–175'), else 'steps 120–149'."""
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
 def readable(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     """A copy for display with ``columns`` (name -> text for NaN) as text: NaN and 'not recorded' differ."""
     out = df.copy()

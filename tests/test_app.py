@@ -509,3 +509,15 @@ def test_headroom_warning_counts_and_says_how_many_it_leaves_out():
     text = at.warning[0].value
     assert text.startswith("9 module/phase pairs came within 4x of the 65504 limit: ")
     assert text.endswith(" (+1 more in the table)") and text.count(" (") == 8 + 1
+
+
+def test_a_finding_on_one_step_says_step_not_a_range():
+    """lightning_fp16's scale-probing finding is on step 175 alone: its heading read 'steps 175–175'."""
+    run = "lightning_fp16.sqlite"
+    one = [f for f in ampwatch.diagnose(ampwatch.load(SAMPLES / run)) if f.steps[0] == f.steps[1] and not f.cause]
+    assert one
+    at = _open(SAMPLES, "overview", run)
+    text = " ".join(m.value for m in at.markdown)
+    for f in one:
+        assert f"**{f.title}** · step {f.steps[0]}" in text
+    assert "steps 175–175" not in text
