@@ -177,3 +177,24 @@ def test_live_drag_zoom_survives_redraws(server, browser, tmp_path):
     time.sleep(1)
     assert x_range() == zoomed
     _no_errors(browser)
+
+
+def test_live_sidebar_steps_follow_a_growing_run(server, browser, tmp_path):
+    """Only the chart area reruns on the Live page, so the sidebar's Steps slider stayed at the steps
+    of the first draw (0-59 with the chart at 0-99), and a touch of it narrowed the view to 59."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from test_app import _append, _make_run
+    path = _make_run(tmp_path / "grow.sqlite", [1.0 - 0.005 * i for i in range(60)], status="running")
+    browser.get(f"{server}/live")
+    box = _wait(browser, '[data-testid="stSidebar"] input[aria-label="Runs folder"]')
+    box.send_keys(Keys.CONTROL, "a", Keys.DELETE)
+    box.send_keys(str(tmp_path), Keys.ENTER)
+    _wait(browser, '[data-testid="stMain"]', text="redrawing every")
+    slider = '[data-testid="stSidebar"] [data-testid="stSlider"]'
+    _wait(browser, slider, text="59")
+    _append(path, 60, [0.5] * 40)
+    _wait(browser, '[data-testid="stMain"]', text="100", timeout=30)  # the chart area has the new steps
+    _wait(browser, slider, text="99", timeout=30)  # and the sidebar catches up
+    assert browser.find_element(By.CSS_SELECTOR, slider).text.split()[-2:] == ["0", "99"]
+    _no_errors(browser)
