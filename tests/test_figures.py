@@ -201,3 +201,14 @@ def test_a_log_axis_of_one_or_two_decades_is_labelled_at_1_2_5():
     assert shown.tolist() == pytest.approx([0.5, 1, 2])
     wide = figures.overview_figure(rundata.overview_data(SAMPLES / "healthy_fp16.sqlite"), log_loss=False)
     assert wide.layout.yaxis.type == "linear" and wide.layout.yaxis.tickvals is None
+
+
+def test_loss_scale_axis_labels_the_first_and_the_lowest_scale():
+    """diverged's scale runs 2^16 -> 2^-53: ticks every 10 from 2^-53 stopped at 2^7, so the scale the
+    run held for 180 steps (2^16) had no label; overflow_storm's 2^24 start had none either."""
+    for run, ends in (("diverged.sqlite", ("2^16", "2^-53")), ("overflow_storm.sqlite", ("2^24", "2^-11"))):
+        fig = figures.overview_figure(rundata.overview_data(SAMPLES / run))
+        text = list(fig.layout.yaxis2.ticktext)
+        assert ends[0] in text and ends[1] in text, (run, text)
+        ks = sorted(int(t[2:]) for t in text)
+        assert 4 <= len(ks) <= 8 and min(b - a for a, b in zip(ks, ks[1:])) >= (ks[-1] - ks[0]) / 14

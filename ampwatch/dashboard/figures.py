@@ -39,7 +39,10 @@ def _log2_ticks(values: pd.Series) -> dict[str, Any]:
         return {}
     lo, hi = math.floor(math.log2(v.min())), math.ceil(math.log2(v.max()))
     step = max(1, math.ceil((hi - lo + 1) / 7))  # about 7 labels: the panel is short
-    ks = list(range(lo, hi + 1, step))
+    # both ends labelled (a run's first scale and the lowest it fell to), multiples of the step between
+    # them, none within half a step of an end (their labels would overlap)
+    inner = [k for k in range(math.ceil(lo / step) * step, hi + 1, step) if min(k - lo, hi - k) >= step / 2]
+    ks = sorted({lo, hi, *inner})
     return {"tickvals": [2.0 ** k for k in ks], "ticktext": [f"2^{k}" for k in ks]}
 
 
