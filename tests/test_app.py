@@ -521,3 +521,15 @@ def test_a_finding_on_one_step_says_step_not_a_range():
     for f in one:
         assert f"**{f.title}** · step {f.steps[0]}" in text
     assert "steps 175–175" not in text
+
+
+def test_heatmap_caption_counts_read_as_the_other_counts():
+    """diverged's caption read '1960 cells hold' beside '3,990 events' on the Events page."""
+    run = "diverged.sqlite"
+    bad = _sql(SAMPLES / run, "SELECT COUNT(*) n FROM layers WHERE (nan_mask & 1) OR grad_nonfinite > 0"
+                              " OR abs(grad_norm) > 1.7976931348623157e308")["n"].iloc[0]
+    at = _open(SAMPLES, "layers", run)
+    _no_failure(at)
+    caption = next(c.value for c in at.caption if "cells hold" in c.value)
+    assert bad == 1960 and "1,960 cells hold a NaN/inf gradient" in caption
+    assert caption.startswith("28 layers × 79 columns of 1 step:")
