@@ -44,6 +44,16 @@ def readable(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     return out
 
 
+# The runs table's column headers, shared by every page that shows its columns (Runs, Compare).
+RUN_COLUMNS = {"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
+               "final_scale": "final loss scale", "last_loss": "last loss",
+               "health": st.column_config.TextColumn(
+                   "health", help="the doctor's worst severity and first root cause; ok: nothing above info"),
+               "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step",
+                                                                     help="after the scaler's warm-up"),
+               "started": st.column_config.DatetimeColumn("started (UTC)")}
+
+
 def runs_for_display(df: pd.DataFrame) -> pd.DataFrame:
     """A runs table for display: the final loss scale as the overview's headline writes it (65536,
     2^-53), not 6.554e+04, and '–' without a scaler; a NaN last loss stays 'NaN', none logged is '–'."""

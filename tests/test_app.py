@@ -533,3 +533,23 @@ def test_heatmap_caption_counts_read_as_the_other_counts():
     caption = next(c.value for c in at.caption if "cells hold" in c.value)
     assert bad == 1960 and "1,960 cells hold a NaN/inf gradient" in caption
     assert caption.startswith("28 layers × 79 columns of 1 step:")
+
+
+def test_compare_and_ranks_tables_name_their_columns_as_the_runs_page(tmp_path):
+    """Compare's table was headed final_scale, first_nonfinite_step, last_loss (the Runs page: 'final
+    loss scale', 'first NaN/inf step', 'last loss'); the Ranks table's first NaN/inf counts the warm-up."""
+    import json
+    from helpers.synthetic_job import bad_batch_job
+    runs = json.loads(_open(SAMPLES).dataframe(key="runs_table").proto.columns)
+    at = _open(SAMPLES, "compare", SAMPLE_FILES[0])
+    _no_failure(at)
+    shown = next(d for d in at.dataframe if "final_scale" in d.value.columns)
+    compare = json.loads(shown.proto.columns)
+    for col in ("final_scale", "first_nonfinite_step", "last_loss", "skipped_pct"):
+        assert compare[col]["label"] == runs[col]["label"] != col
+    bad_batch_job(tmp_path, world=2, bad_rank=1, bad_step=5)
+    at = _open(tmp_path, "ranks", "job.rank0.sqlite")
+    _no_failure(at)
+    ranks = json.loads(next(d for d in at.dataframe if "first_nonfinite_step" in d.value.columns).proto.columns)
+    assert ranks["first_nonfinite_step"]["label"] == "first NaN/inf step"
+    assert "warm-up included" in ranks["first_nonfinite_step"]["help"]
