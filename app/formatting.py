@@ -31,12 +31,27 @@ def fmt_scale(x: Any) -> str:
     return f"2^{e - 1}" if m == 0.5 else f"{x:.2g}"
 
 
+def step_span(first: int, last: int) -> str:
+    """'step 175' for one step (not 'steps 175–175'), else 'steps 120–149'."""
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
 def readable(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     """A copy for display with ``columns`` (name -> text for NaN) as text: NaN and 'not recorded' differ."""
     out = df.copy()
     for col, nan in columns.items():
         out[col] = [fmt(v, nan=nan) for v in out[col].astype(object)]
     return out
+
+
+# The runs table's column headers, shared by every page that shows its columns (Runs, Compare).
+RUN_COLUMNS = {"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
+               "final_scale": "final loss scale", "last_loss": "last loss",
+               "health": st.column_config.TextColumn(
+                   "health", help="the doctor's worst severity and first root cause; ok: nothing above info"),
+               "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step",
+                                                                     help="after the scaler's warm-up"),
+               "started": st.column_config.DatetimeColumn("started (UTC)")}
 
 
 def runs_for_display(df: pd.DataFrame) -> pd.DataFrame:

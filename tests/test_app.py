@@ -526,3 +526,61 @@ def test_inspector_opens_on_the_step_the_doctor_names():
     at = _open(SAMPLES, "inspector", "healthy_fp16.sqlite")  # no origin named: the first after warm-up
     first = _sql(SAMPLES / "healthy_fp16.sqlite", "SELECT MIN(step) s FROM steps WHERE step > 0 AND skipped")
     assert at.number_input(key="inspect_step").value == int(first["s"].iloc[0])
+
+
+def test_headroom_warning_counts_and_says_how_many_it_leaves_out():
+    """overflow_storm: '9 module/phase pairs came within 4x' named 8 and dropped the ninth silently;
+    one pair read '1 module/phase pairs'."""
+    run = "overflow_storm.sqlite"
+    truth = _sql(SAMPLES / run, "SELECT m.module_id, m.phase FROM modules m GROUP BY 1, 2"
+                                " HAVING MAX(m.amax) >= 65504.0 / 4")
+    assert len(truth) == 9
+    at = _open(SAMPLES, "layers", run, state={"layers_view": "fp16 headroom"})
+    _no_failure(at)
+    text = at.warning[0].value
+    assert text.startswith("9 module/phase pairs came within 4x of the 65504 limit: ")
+    assert text.endswith(" (+1 more in the table)") and text.count(" (") == 8 + 1
+
+
+def test_a_finding_on_one_step_says_step_not_a_range():
+    """lightning_fp16's scale-probing finding is on step 175 alone: its heading read 'steps 175–175'."""
+    run = "lightning_fp16.sqlite"
+    one = [f for f in ampwatch.diagnose(ampwatch.load(SAMPLES / run)) if f.steps[0] == f.steps[1] and not f.cause]
+    assert one
+    at = _open(SAMPLES, "overview", run)
+    text = " ".join(m.value for m in at.markdown)
+    for f in one:
+        assert f"**{f.title}** · step {f.steps[0]}" in text
+    assert "steps 175–175" not in text
+
+
+def test_heatmap_caption_counts_read_as_the_other_counts():
+    """diverged's caption read '1960 cells hold' beside '3,990 events' on the Events page."""
+    run = "diverged.sqlite"
+    bad = _sql(SAMPLES / run, "SELECT COUNT(*) n FROM layers WHERE (nan_mask & 1) OR grad_nonfinite > 0"
+                              " OR abs(grad_norm) > 1.7976931348623157e308")["n"].iloc[0]
+    at = _open(SAMPLES, "layers", run)
+    _no_failure(at)
+    caption = next(c.value for c in at.caption if "cells hold" in c.value)
+    assert bad == 1960 and "1,960 cells hold a NaN/inf gradient" in caption
+    assert caption.startswith("28 layers × 79 columns of 1 step:")
+
+
+def test_compare_and_ranks_tables_name_their_columns_as_the_runs_page(tmp_path):
+    """Compare's table was headed final_scale, first_nonfinite_step, last_loss (the Runs page: 'final
+    loss scale', 'first NaN/inf step', 'last loss'); the Ranks table's first NaN/inf counts the warm-up."""
+    import json
+    from helpers.synthetic_job import bad_batch_job
+    runs = json.loads(_open(SAMPLES).dataframe(key="runs_table").proto.columns)
+    at = _open(SAMPLES, "compare", SAMPLE_FILES[0])
+    _no_failure(at)
+    shown = next(d for d in at.dataframe if "final_scale" in d.value.columns)
+    compare = json.loads(shown.proto.columns)
+    for col in ("final_scale", "first_nonfinite_step", "last_loss", "skipped_pct"):
+        assert compare[col]["label"] == runs[col]["label"] != col
+    bad_batch_job(tmp_path, world=2, bad_rank=1, bad_step=5)
+    at = _open(tmp_path, "ranks", "job.rank0.sqlite")
+    _no_failure(at)
+    ranks = json.loads(next(d for d in at.dataframe if "first_nonfinite_step" in d.value.columns).proto.columns)
+    assert ranks["first_nonfinite_step"]["label"] == "first NaN/inf step"
+    assert "warm-up included" in ranks["first_nonfinite_step"]["help"]

@@ -118,6 +118,20 @@ def test_dashboard_in_chromium(server, browser):
     browser.save_screenshot(str(ARTIFACTS / "dashboard_overview.png"))
     assert (ARTIFACTS / "dashboard_overview.png").stat().st_size > 10_000
 
+    # a run without GradScaler: the scale panel says so inside itself, and the step axis starts at step 0
+    # (the note anchored to the dropped axes of that empty panel stretched it to -70)
+    browser.get(f"{server}/overview?run=bf16_noscaler.sqlite")
+    _wait(browser, "h1", text="bf16_noscaler")
+    _wait(browser, ".js-plotly-plot .main-svg")
+    time.sleep(1)
+    low, note_y = browser.execute_script(
+        "const L = document.querySelector('.js-plotly-plot')._fullLayout;"
+        " const a = L.annotations.find(a => a.text.includes('no loss scale'));"
+        " return [L.xaxis.range[0], a.yref === 'paper' ? a.y : -1];")
+    assert low >= -3, low  # at most a few steps of padding, not -70
+    assert 0.45 < note_y < 0.7, note_y  # the scale panel's band of the page, below the loss panel
+    _no_errors(browser)
+
     browser.get(f"{server}/layers?run=diverged.sqlite")
     _wait(browser, "h1", text="Layers")
     _wait(browser, ".js-plotly-plot .main-svg")
@@ -162,4 +176,25 @@ def test_live_drag_zoom_survives_redraws(server, browser, tmp_path):
     _wait(browser, '[data-testid="stMain"]', text="100", timeout=30)  # the redraw with the new steps
     time.sleep(1)
     assert x_range() == zoomed
+    _no_errors(browser)
+
+
+def test_live_sidebar_steps_follow_a_growing_run(server, browser, tmp_path):
+    """Only the chart area reruns on the Live page, so the sidebar's Steps slider stayed at the steps
+    of the first draw (0-59 with the chart at 0-99), and a touch of it narrowed the view to 59."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from test_app import _append, _make_run
+    path = _make_run(tmp_path / "grow.sqlite", [1.0 - 0.005 * i for i in range(60)], status="running")
+    browser.get(f"{server}/live")
+    box = _wait(browser, '[data-testid="stSidebar"] input[aria-label="Runs folder"]')
+    box.send_keys(Keys.CONTROL, "a", Keys.DELETE)
+    box.send_keys(str(tmp_path), Keys.ENTER)
+    _wait(browser, '[data-testid="stMain"]', text="redrawing every")
+    slider = '[data-testid="stSidebar"] [data-testid="stSlider"]'
+    _wait(browser, slider, text="59")
+    _append(path, 60, [0.5] * 40)
+    _wait(browser, '[data-testid="stMain"]', text="100", timeout=30)  # the chart area has the new steps
+    _wait(browser, slider, text="99", timeout=30)  # and the sidebar catches up
+    assert browser.find_element(By.CSS_SELECTOR, slider).text.split()[-2:] == ["0", "99"]
     _no_errors(browser)

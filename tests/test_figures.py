@@ -165,7 +165,11 @@ def test_headroom_draws_an_overflowed_module_past_the_limit():
 def test_scale_panel_says_why_it_is_empty_or_broken():
     bf16 = rundata.overview_data(SAMPLES / "bf16_noscaler.sqlite")
     fig = figures.overview_figure(bf16)
-    assert any("no loss scale recorded" in a.text for a in fig.layout.annotations)
+    note = next(a for a in fig.layout.annotations if "no loss scale recorded" in a.text)
+    # on the page, inside the scale panel: with no trace there Plotly drops its axes, and a note
+    # anchored to them landed in the loss panel and stretched the step axis to -70
+    assert note.xref == note.yref == "paper"
+    assert fig.layout.yaxis2.domain[0] < note.y < fig.layout.yaxis2.domain[1]
     steps = pd.DataFrame({"step": [0, 1, 2, 3], "loss_scale": [4.0, 0.0, 0.0, 2.0]})
     assert figures.scale_note(steps) == "scale 0 at 2 steps (1–2): not drawable on a log axis, a gap"
     assert figures.scale_note(steps.assign(loss_scale=[4.0, 0.0, 1.0, 2.0])) == \
@@ -197,3 +201,14 @@ def test_a_log_axis_of_one_or_two_decades_is_labelled_at_1_2_5():
     assert shown.tolist() == pytest.approx([0.5, 1, 2])
     wide = figures.overview_figure(rundata.overview_data(SAMPLES / "healthy_fp16.sqlite"), log_loss=False)
     assert wide.layout.yaxis.type == "linear" and wide.layout.yaxis.tickvals is None
+
+
+def test_loss_scale_axis_labels_the_first_and_the_lowest_scale():
+    """diverged's scale runs 2^16 -> 2^-53: ticks every 10 from 2^-53 stopped at 2^7, so the scale the
+    run held for 180 steps (2^16) had no label; overflow_storm's 2^24 start had none either."""
+    for run, ends in (("diverged.sqlite", ("2^16", "2^-53")), ("overflow_storm.sqlite", ("2^24", "2^-11"))):
+        fig = figures.overview_figure(rundata.overview_data(SAMPLES / run))
+        text = list(fig.layout.yaxis2.ticktext)
+        assert ends[0] in text and ends[1] in text, (run, text)
+        ks = sorted(int(t[2:]) for t in text)
+        assert 4 <= len(ks) <= 8 and min(b - a for a, b in zip(ks, ks[1:])) >= (ks[-1] - ks[0]) / 14

@@ -83,3 +83,28 @@ def test_ranks_figure_carries_the_rank_of_every_trace(tmp_path):
     assert all(set(np.asarray(t.customdata).tolist()) == {t.meta} for t in per_rank)
     glob = next(t for t in fig.data if t.name == "global grad norm")
     assert np.allclose(np.asarray(glob.y, dtype=float), 0.5)
+
+
+def test_a_warmup_overflow_first_is_said_to_be_expected(tmp_path):
+    """A DDP job whose first NaN/Inf is the scaler's warm-up (init_scale too high, every rank skips
+    step 0): the page said 'First NaN/Inf: rank 0 at step 0' like a fault, with no word of the others."""
+    import sqlite3
+    from helpers.synthetic_job import write_rank
+    for r in range(2):
+        rows = [(i, 0.0, 0.1, 1.0 - 0.01 * i, 2.0 ** max(22, 24 - i), int(i < 2), None if i < 2 else 0.5,
+                 1e-3, 1, 0) for i in range(12)]
+        path = write_rank(tmp_path, f"ddp.rank{r}", r, 2, rows, sharding="replicated",
+                          events=((0, "param_grad", "0.weight", "inf", 8, None, "float32", 0, 0),))
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("UPDATE run SET scaler_enabled = 1, init_scale = 16777216.0")
+        conn.close()
+    view = job_view(tmp_path, "ddp.rank1.sqlite")
+    assert view.first["step"] == 0 and view.first["warmup"] and view.first["ranks"] == [0, 1]
+    at = _ranks_page(tmp_path, "ddp.rank1.sqlite")
+    text = " ".join(m.value for m in at.markdown)
+    assert "rank 0 at step 0, 0.weight (param_grad), micro-batch 0 (also rank 1 at that step): a gradient " \
+           "overflow during the scaler's warm-up, expected" in text
+    (tmp_path / "bad").mkdir()
+    bad = job_view(bad_batch_job(tmp_path / "bad", world=3, bad_rank=1, bad_step=25), "job.rank0.sqlite")
+    assert bad.first["step"] == 25 and not bad.first["warmup"]  # a forward overflow is never the warm-up's

@@ -39,7 +39,10 @@ def _log2_ticks(values: pd.Series) -> dict[str, Any]:
         return {}
     lo, hi = math.floor(math.log2(v.min())), math.ceil(math.log2(v.max()))
     step = max(1, math.ceil((hi - lo + 1) / 7))  # about 7 labels: the panel is short
-    ks = list(range(lo, hi + 1, step))
+    # both ends labelled (a run's first scale and the lowest it fell to), multiples of the step between
+    # them, none within half a step of an end (their labels would overlap)
+    inner = [k for k in range(math.ceil(lo / step) * step, hi + 1, step) if min(k - lo, hi - k) >= step / 2]
+    ks = sorted({lo, hi, *inner})
     return {"tickvals": [2.0 ** k for k in ks], "ticktext": [f"2^{k}" for k in ks]}
 
 
@@ -135,8 +138,12 @@ def scale_note(s: pd.DataFrame) -> Optional[str]:
 def _scale_traces(fig: go.Figure, s: pd.DataFrame, changes: pd.DataFrame) -> None:
     note = scale_note(s)
     if note:  # said in the panel itself, so an empty or broken line is never silent
-        fig.add_annotation(text=note, xref="x2 domain", yref="y2 domain", x=0.5, y=0.5, showarrow=False,
-                           font={"color": "#7f7f7f"}, bgcolor="rgba(255,255,255,0.8)")
+        # placed on the page by the panel's domain: Plotly drops the axes of a panel without traces, so
+        # "x2 domain" fell back to the loss axes (the note in the loss panel at step 0.5, the shared
+        # step axis stretched to -70 to fit it)
+        xd, yd = fig.layout.xaxis2.domain, fig.layout.yaxis2.domain
+        fig.add_annotation(text=note, xref="paper", yref="paper", x=(xd[0] + xd[1]) / 2, y=(yd[0] + yd[1]) / 2,
+                           showarrow=False, font={"color": "#7f7f7f"}, bgcolor="rgba(255,255,255,0.8)")
     if s["loss_scale"].notna().any():
         fig.add_trace(go.Scatter(x=s["step"], y=s["loss_scale"], name="loss scale", mode="lines",
                                  line={"shape": "hv", "width": 1.5, "color": SCALE_COLOR}), 2, 1)

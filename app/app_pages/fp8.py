@@ -26,8 +26,9 @@ if g.values.size == 0:
     st.stop()
 st.plotly_chart(figures.heatmap_figure(g, log_color=loaders.FP8_METRICS[metric][1]), width="stretch",
                 key="fp8_heatmap")
-st.caption(f"{len(g.names)} layer casts × {g.values.shape[1]} columns of {counted(g.width, 'step')}: the max in each; "
-           f"{int(g.nonfinite.sum())} cells saw NaN/inf in the tensor (red). See docs/fp8.md.")
+st.caption(f"{counted(len(g.names), 'layer cast')} × {counted(g.values.shape[1], 'column')} of "
+           f"{counted(g.width, 'step')}: the max in each; {counted(int(g.nonfinite.sum()), 'cell')} saw NaN/inf "
+           "in the tensor (red). See docs/fp8.md.")
 formatting.download(loaders.grid_frame(g), f"{path.stem}_fp8_{metric}.csv")
 table = loaders.guarded(loaders.fp8_summary, str(path), key, path=path)
 if table is not None:

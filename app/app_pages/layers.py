@@ -26,9 +26,10 @@ if view == "Gradient heatmap":
         st.stop()
     log = st.toggle("log colour scale", key=state.kept(f"layers_log:{metric}", metric != "grad_zero_frac"))
     st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
-    st.caption(f"{len(grid.names)} layers × {grid.values.shape[1]} columns of {counted(grid.width, 'step')}: "
-               f"the max in each; {int(grid.nonfinite.sum())} cells hold a NaN/inf "
-               f"{figures.nonfinite_what(metric)} (red)."
+    bad = int(grid.nonfinite.sum())
+    st.caption(f"{counted(len(grid.names), 'layer')} × {counted(grid.values.shape[1], 'column')} of "
+               f"{counted(grid.width, 'step')}: the max in each; {counted(bad, 'cell')} "
+               f"{'holds' if bad == 1 else 'hold'} a NaN/inf {figures.nonfinite_what(metric)} (red)."
                + (" NaN/inf gradients are not marked here: the weights' norms are shown."
                   if metric == "param_norm" else ""))
     table = loaders.grid_frame(grid)
@@ -42,8 +43,9 @@ elif view == "fp16 headroom":
         st.stop()
     near = df[df["headroom"] <= 4]
     if len(near):
-        st.warning(f"{len(near)} module/phase pairs came within 4x of the {df['limit'].iloc[0]:.6g} limit: "
-                   + ", ".join(f"{m} ({p})" for m, p in near[["module", "phase"]].head(8).itertuples(index=False)))
+        named = ", ".join(f"{m} ({p})" for m, p in near[["module", "phase"]].head(8).itertuples(index=False))
+        st.warning(f"{counted(len(near), 'module/phase pair')} came within 4x of the {df['limit'].iloc[0]:.6g} "
+                   f"limit: {named}" + (f" (+{len(near) - 8} more in the table)" if len(near) > 8 else ""))
     st.plotly_chart(figures.headroom_figure(df), width="stretch", key="headroom")
     st.dataframe(df, hide_index=True, key="headroom_table")
     formatting.download(df, f"{path.stem}_headroom.csv")

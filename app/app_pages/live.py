@@ -59,6 +59,10 @@ def _draw(following: bool = False) -> str:
     # The Steps range (sidebar) is the view that survives redraws: Streamlit draws a chart whose data
     # changed as a new element, so a mouse zoom lasts only until the next new steps arrive.
     start, end = state.followed_range(path, int(row["first_step"]), int(row["last_step"]))
+    drawn_last, drawn_at = st.session_state.get(f"_live_drawn:{path.name}", (None, 0.0))
+    if following and end == row["last_step"] and drawn_last is not None and end > drawn_last \
+            and time.time() - drawn_at >= max(10, every):
+        st.rerun()  # the sidebar's Steps slider (outside this fragment) still ends at drawn_last: catch it up
     ov = loaders.guarded(loaders.overview, str(path), key, start, end, path=path)
     if ov is not None:  # one uirevision per run: a redraw without new steps keeps the user's zoom
         fig = figures.overview_figure(ov, log_loss=True, uirevision=f"live:{path.name}")
@@ -77,6 +81,7 @@ def _draw(following: bool = False) -> str:
 first = _row(loaders.stamp(path))
 if first is not None and first["steps"]:
     state.step_range(path, int(first["first_step"]), int(first["last_step"]))
+    st.session_state[f"_live_drawn:{path.name}"] = (int(first["last_step"]), time.time())
 running = first is not None and first["status"] == "running"
 if running and follow:
     st.fragment(run_every=timedelta(seconds=every))(_draw)(following=True)

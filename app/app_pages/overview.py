@@ -30,7 +30,7 @@ for i, f in enumerate(found):
         continue  # shown folded under its cause
     box = st.container(border=True)
     box.markdown(f"{formatting.SEVERITY_BADGE.get(f['severity'], '')} **{f['title']}** "
-                 f"· steps {f['steps'][0]}–{f['steps'][1]}")
+                 f"· {formatting.step_span(*f['steps'])}")
     box.markdown(f"{f['evidence']}  \n**Fix:** {f['advice']}")
     box.button(f"Show steps {f['jump'][0]}–{f['jump'][1]}", key=f"finding:{i}", on_click=state.jump_to,
                args=(path, f["jump"][0], f["jump"][1], f["steps"][0]))

@@ -48,9 +48,17 @@ st.plotly_chart(figures.ranks_figure(view.steps, view.global_steps, view.first, 
 if view.first:
     fst = view.first
     where = f"{fst['module']} ({fst['phase']})" if fst["module"] else "its loss or grad norm"
+    others = [r for r in fst["ranks"] if r != fst["rank"]]
     st.markdown(f"**First NaN/Inf:** rank {fst['rank']} at step {fst['step']:,}, {where}"
-                + (f", micro-batch {fst['micro_batch']}" if fst["micro_batch"] is not None else ""))
-st.dataframe(view.ranks, hide_index=True, key="ranks_table")
+                + (f", micro-batch {fst['micro_batch']}" if fst["micro_batch"] is not None else "")
+                + (f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} at that step)"
+                   if others else "")
+                + (": a gradient overflow during the scaler's warm-up, expected (it halves its initial scale"
+                   " until the gradients fit), not a fault" if fst.get("warmup") else ""))
+st.dataframe(view.ranks, hide_index=True, key="ranks_table", column_config={
+    "first_nonfinite_step": st.column_config.NumberColumn(
+        "first NaN/inf step", help="any NaN/Inf, the scaler's warm-up included (the Runs page counts from its end)"),
+    "last_loss": "last loss"})
 st.button(f"Open rank {selected}'s run ({view.files[selected]})", key="ranks_open", on_click=state.open_run,
           args=(view.files[selected],))
 st.page_link("app_pages/overview.py", label="Run overview of the chosen run", icon=":material/show_chart:")

@@ -30,11 +30,7 @@ def _pick() -> None:
 
 st.dataframe(formatting.runs_for_display(shown[columns]), key="runs_table",
              on_select=_pick, selection_mode="multi-row", hide_index=True,
-             column_config={"skipped_pct": st.column_config.NumberColumn("skipped %", format="%.1f"),
-                            "final_scale": "final loss scale", "last_loss": "last loss",
-                            "health": st.column_config.TextColumn("health", help="the doctor's worst severity and first root cause; ok: nothing above info"),
-                            "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step", help="after the scaler's warm-up"),
-                            "started": st.column_config.DatetimeColumn("started (UTC)")})
+             column_config=formatting.RUN_COLUMNS)
 st.caption("Select rows to open a run (the first) or compare several; the sidebar shows the open run.")
 picked = st.session_state.get("compare") or []
 if picked:
