@@ -152,16 +152,11 @@ def _nonfinite_line(s: dict) -> str:
 
 def _memory_lines(s: dict) -> list[str]:
     """``memory   host 398 MiB -> 711 MiB (max 720 MiB)``, where the run read its memory."""
-    parts = [f"{label} {_bytes(s[key + '_first'])} -> {_bytes(s[key + '_last'])} (max {_bytes(s[key + '_max'])})"
+    from ..doctor.finding import size_text
+    parts = [f"{label} {size_text(s[key + '_first'])} -> {size_text(s[key + '_last'])} (max {size_text(s[key + '_max'])})"
              for key, label in (("host_rss", "host"), ("device_allocated", "device")) if s.get(key + "_first") is not None]
     return [f"memory   {'  '.join(parts)}"] if parts else []
 
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}" if n / size < 1000 else f"{n / size:,.0f} {unit}"
-    return f"{n:,.0f} B"
 
 
 @cli.command(name="ls")

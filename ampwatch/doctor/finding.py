@@ -83,6 +83,14 @@ def times(ratio: float) -> str:
     return f"{ratio:,.0f}x" if ratio >= 1000 else f"{ratio:.3g}x"
 
 
+def size_text(n: float) -> str:
+    """Bytes as a reader takes them in: 393 MiB, 2.01 MiB, 1.5 GiB."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:,.3g} {unit}" if abs(n) / size < 1000 else f"{n / size:,.0f} {unit}"
+    return f"{n:,.0f} B"
+
+
 def counted(n: int, noun: str, plural: str = "") -> str:
     """"1 step", "2 steps", "1,024 values": the count and its noun, agreeing."""
     return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .facts import Facts
-from .finding import Finding, counted, span
+from .finding import Finding, counted, size_text, span
 
 HOST_RSS, DEVICE_ALLOCATED = "host_rss", "device_allocated"  # columns of the memory table
 LABELS = {DEVICE_ALLOCATED: "device memory held by tensors (CUDA allocator)",
@@ -25,13 +25,6 @@ PARTS = 5              # the rest in fifths: each must lift the floor
 MIN_READINGS = 20
 GROWTH_MIN_BYTES = 256 * 2 ** 20  # and by at least this much ...
 GROWTH_MIN_FRACTION = 0.25        # ... and a quarter of where the floor started
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= size:
-            return f"{n / size:,.3g} {unit}" if abs(n) / size < 1000 else f"{n / size:,.0f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def floor_growth(steps: np.ndarray, values: np.ndarray) -> Optional[tuple[list[tuple[int, float]], float]]:
@@ -69,19 +62,19 @@ def memory_growth(facts: Facts) -> list[Finding]:
             continue
         floors, per_step = grown
         (first, low), (last, high) = floors[0], floors[-1]
-        steps = ", ".join(_bytes(v) for _, v in floors)
+        steps = ", ".join(size_text(v) for _, v in floors)
         evidence = (f"{LABELS[key]}: its lowest reading rose in each fifth of the run after the first tenth "
-                    f"({steps}), from {_bytes(low)} at step {first:,} to {_bytes(high)} at step {last:,}, about "
-                    f"{_bytes(per_step)} a step over {counted(len(rows), 'reading')}")
+                    f"({steps}), from {size_text(low)} at step {first:,} to {size_text(high)} at step {last:,}, about "
+                    f"{size_text(per_step)} a step over {counted(len(rows), 'reading')}")
         status = facts.info.get("status")
         ended = {"interrupted": "; the run was then killed or lost, as the OOM killer ends a process",
                  "crashed": "; the run then crashed"}.get(str(status), "")
         facts.claims["memory-growth"] = ("memory",)
         return [facts.finding(
             "memory-growth", "warning",
-            f"Memory keeps growing: {_bytes(low)} -> {_bytes(high)} ({span(first, last)})", first, last,
+            f"Memory keeps growing: {size_text(low)} -> {size_text(high)} ({span(first, last)})", first, last,
             evidence + ended,
-            f"Something keeps about {_bytes(per_step)} from every step. The usual suspects: a running total of "
+            f"Something keeps about {size_text(per_step)} from every step. The usual suspects: a running total of "
             f"the loss tensor (total += loss keeps each step's graph: add loss.item() or loss.detach()), "
             f"outputs or losses appended to a list, a cache keyed by step or batch, a profiler or hook that "
             f"records every step. Find it with torch.cuda.memory._record_memory_history() (device) or "
