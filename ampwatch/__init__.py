@@ -81,6 +81,29 @@ def load_group(folder_or_glob: Any, job: Optional[str] = None) -> "RunGroup":
     return _load_group(folder_or_glob, job)
 
 
+def load_batch(run: Any, step: int, micro_batch: Optional[int] = None) -> dict:
+    """The model's inputs saved from ``step`` of a run (a :class:`Run` or a path) as CPU tensors by
+    name (``args[0]``, ``kwargs['input_ids']``): saved for the first steps whose loss or outputs
+    went NaN/Inf, and for the step a run crashed in (option ``save_batches``). ``micro_batch``
+    None: the first one saved. To reproduce the step, feed them to the model restored from a
+    checkpoint of the step before: ``model(*[b[k] for k in sorted(b) if k.startswith("args")])``.
+    Raises :class:`RunError` (one line, listing the steps saved) when the step has none."""
+    import torch
+    if not hasattr(type(run), "batch_bytes"):
+        run = load(run)
+    out = {}
+    for name, dtype, shape, data in run.batch_bytes(step, micro_batch):
+        if data is None:  # listed, over the budget: not saved
+            continue
+        kind = getattr(torch, dtype, None)
+        if not isinstance(kind, torch.dtype):
+            raise RunError(f"{dtype!r} of {name} (step {step}) is not a dtype of this torch {torch.__version__}: "
+                           f"upgrade torch to read it")
+        flat = torch.frombuffer(bytearray(data), dtype=kind) if data else torch.empty(0, dtype=kind)
+        out[name] = flat.reshape(shape)
+    return out
+
+
 def __getattr__(name: str) -> Any:
     # Lazy: `import ampwatch` stays light (no pandas) for the training box.
     if name == "Watch":
@@ -98,5 +121,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ampwatch' has no attribute {name!r}")
 
 
-__all__ = ["attach", "load", "load_group", "diagnose", "Watch", "Run", "RunGroup", "RunError", "Finding",
+__all__ = ["attach", "load", "load_batch", "load_group", "diagnose", "Watch", "Run", "RunGroup", "RunError", "Finding",
            "__version__"]

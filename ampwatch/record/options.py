@@ -56,6 +56,9 @@ SETTINGS: tuple[Setting, ...] = (
             "is read a step late instead of waiting before its update (False: no copy, one wait a step)"),
     Setting("fp32_check", True, _is_bool, "True or False",
             "with localize: recompute a forward origin's module in fp32 on bad steps (events.fp32_amax)"),
+    Setting("save_batches", True, _is_bool, "True or False",
+            "save the model's inputs of the first 8 steps whose loss or outputs went NaN/Inf in the run file "
+            "(at most 16 MiB a step, 64 MiB a run; Run.batches, ampwatch.load_batch, 'ampwatch batch')"),
     Setting("flush_every_s", 1.0, _positive_number, "a number of seconds > 0",
             "commit buffered rows at least this often"),
     Setting("strict", False, _is_bool, "True or False",

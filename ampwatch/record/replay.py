@@ -121,6 +121,7 @@ class Replayer:
         self.batches: list[_MicroBatch] = []
         self.replaying = False
         self.broken = False  # this step's references are incomplete: it cannot be replayed
+        self.forward_bad: list[int] = []  # the last replay's micro-batches whose outputs were non-finite
         self._device_rng = getattr(torch, device.type, None) if device.type != "cpu" else None
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
         # kept eager under torch.compile(model): the root's hooks run outside its graph. The
@@ -211,15 +212,18 @@ class Replayer:
         where = [i for i, p in enumerate(params) if p.requires_grad]  # trainable -> position in params
         kept = [p.grad for p in trainable]  # nested backward passes (reentrant checkpointing) accumulate
         reproduced = unfaithful = False
+        self.forward_bad = []
         with self._running_again():
             try:
                 with torch.enable_grad():
-                    for batch in batches:
+                    for index, batch in enumerate(batches):
                         self._set_rng(batch.rng)
                         enabled, dtype = batch.autocast
                         with torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
                             output = self.root(*batch.args, **batch.kwargs)
                         outputs = _grad_outputs(output)
+                        if outputs and not _finite(outputs):  # its forward went bad: its inputs are saved
+                            self.forward_bad.append(index)
                         pairs = [(outputs[pos], g) for pos, g in batch.grads.items() if pos < len(outputs)]
                         if pairs and not _finite([g for _, g in pairs]) and _finite([t for t, _ in pairs]):
                             # the loss went non-finite from outputs this forward made finite: not the same step

@@ -29,10 +29,12 @@ from .compiled import uncompiled
 from .recompute import check_step
 from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
 from .options import resolve
+from ..store.rows import Rows
 from ..store.writer import RunWriter
 from .grads import GradMeter
 from .memory import memory_sampler
 from . import copies, deferred, fp8, kernelskip, keptweights, replay
+from .batches import BatchSaver, RootInputs, bad_losses
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
 from .skipflag import EarlyFlag
@@ -124,6 +126,8 @@ class Watch:
         self.step = 0
         self.observer: Optional[ModuleObserver] = None
         self.replayer: Optional[replay.Replayer] = None
+        self._batch_saver = BatchSaver() if self.options["save_batches"] else None
+        self._root_inputs: Optional[RootInputs] = None  # where no replay keeps a step's inputs
         self.fp8: Optional[fp8.Fp8Recorder] = None
         self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
@@ -172,6 +176,8 @@ class Watch:
                 self.replayer = replay.Replayer(uncompiled(self.model), self._device)
                 if self.observer.keeper is not None:  # inputs kept in replays only (recompute.py)
                     self.observer.keeper.replayer = self.replayer
+            else:
+                self._keep_root_inputs()
         shared = module_aliases(uncompiled(self.model)) if module_names else {}
         tensors = list(names) + [
             {"id": len(names) + i, "kind": "module", "name": n, "type": t,
@@ -192,6 +198,53 @@ class Watch:
         self.writer = RunWriter(str(self.path), packs.rows, self.options["flush_every_s"], on_commit=mirror,
                                 sample=memory_sampler(self._device))
         log.info("recording to %s", self.path)
+
+    def _keep_root_inputs(self) -> None:
+        """Keep each micro-batch's root arguments until the step ends, for a bad step's saved inputs
+        (batches.py): where modules are observed on every step, so no replay keeps them."""
+        if self._batch_saver is not None and self._root_inputs is None:
+            self._root_inputs = RootInputs(uncompiled(self.model), keep_all=self._reads_free)
+
+    def _save_inputs(self, calls: list) -> None:
+        """Write ``calls`` (micro-batch, args, kwargs) of this step to the ``batches`` table. A
+        failure here loses the saved inputs only, never the step or the recording."""
+        if not calls or self._batch_saver is None or self._batch_saver.full:
+            return
+        try:
+            rows = self._batch_saver.rows(self.step, calls)
+        except Exception as exc:  # an input that cannot be copied to the host
+            self.writer.put_notice(self.step, "batch-not-saved", f"the inputs of step {self.step} were not saved: "
+                                   f"{type(exc).__name__}: {exc}")
+            return
+        if rows:
+            self.writer.put_rows(Rows(batches=rows))
+
+    def _save_bad_live_inputs(self, in_progress: bool = False, crashed: bool = False, loss_bad: bool = False) -> None:
+        """The step ends (or the run closes mid-step, ``in_progress``): when its loss is non-finite,
+        save the micro-batches whose loss was. The losses are read where reads are free, on a step
+        the scaler skipped (the host knows already) and at close; a healthy step reads nothing
+        (``loss_bad``: the step's loss, read for the pack where reads are free, is not finite). A
+        run that ``crashed`` mid-step saves every micro-batch the step ran: a loop that raises on
+        the NaN loss it saw raises before the scaler sees it, and any crash is reproduced from them."""
+        kept = self._root_inputs.calls if self._root_inputs is not None else \
+            [(i, b.args, b.kwargs) for i, b in enumerate(self.replayer.batches)] if self.replayer is not None else []
+        if not kept or self._batch_saver is None or self._batch_saver.full:
+            return
+        if in_progress and crashed:
+            self._save_inputs(kept)
+            return
+        skipped = self._scaling and not self._fused and self.state.scaler_stepped and not self.state.stepped
+        if not (in_progress or skipped or loss_bad or (self._reads_free and self.grads.known_bad())):
+            return
+        losses = self.state.logged_losses or self.state.losses
+        bad = bad_losses(losses)
+        if not bad:
+            return
+        # a loss per forward: the micro-batches whose loss went bad; else (one loss logged for the
+        # step) every micro-batch kept
+        calls = self._root_inputs.count if self._root_inputs is not None else len(kept)
+        picked = set(bad) if len(losses) == calls else None
+        self._save_inputs([call for call in kept if picked is None or call[0] in picked])
 
     def _install(self) -> None:
         opt, model = self.optimizer, uncompiled(self.model)
@@ -269,6 +322,8 @@ class Watch:
             self.observer.remove()
         if self.replayer is not None:
             self.replayer.remove()
+        if self._root_inputs is not None:
+            self._root_inputs.remove()
         if self.fp8 is not None:
             self.fp8.disarm()
         # nothing held is settled any more: a kept copy of the weights goes now, not with the watch
@@ -522,12 +577,16 @@ class Watch:
             self._trigger.pause(False)
             if reproduced:
                 self.observer.set_observing(False)
+        if reproduced and self.replayer.forward_bad:
+            kept = batches if batches is not None else self.replayer.batches
+            self._save_inputs([(i, kept[i].args, kept[i].kwargs) for i in self.replayer.forward_bad if i < len(kept)])
         if not reproduced:
             self.observer.discard()  # the replay's values are not this step's
             self.replayer.remove()
             self.replayer = None
             if self.observer.keeper is not None:  # observed live from now on: inputs kept live too
                 self.observer.keeper.replayer = None
+            self._keep_root_inputs()
             self.writer.put_notice(self.step, "replay-not-reproduced",
                                    f"a replay of this skipped step did not reproduce it from the model's inputs "
                                    f"and output gradients ({why}), so it is not localized; module values are "
@@ -705,6 +764,10 @@ class Watch:
         if scalars is None:
             scalars = pack_scalars(self, None, None)
         pack = pack_step(self, scalars, now)
+        if (self._root_inputs is not None and self._root_inputs.calls) or (
+                not self.state.stepped and self.replayer is not None and self.observer.observing):
+            # a live step's (a replayed one's are saved by the replay)
+            self._save_bad_live_inputs(loss_bad=_host_loss_bad(scalars))
         if self.fp8 is not None and self.fp8.armed:  # a layer_every step: its fp8 values, disarmed
             pack.fp8 = self.fp8.take(self.step)
         if self._held is not None:  # no optimizer step settled it: it goes first, as late as it can
@@ -726,6 +789,8 @@ class Watch:
         self._clip_norms_taken = False
         if self._trigger is not None:  # _on_backward_end has nothing to do while the clip hands the norms
             self._trigger.ends_needed = not self._clip_norms_expected
+        if self._root_inputs is not None:
+            self._root_inputs.clear()
         if self.replayer is not None:  # module values measured live on layer_every steps only
             self.replayer.clear()
             self.observer.set_observing(self._detail_step())
@@ -782,6 +847,8 @@ class Watch:
         if getattr(self, "_kernel_skip", None) is not None:  # its step() raised: no flag left behind
             self._kernel_skip.withdraw()
             self._kernel_skip = None
+        if not self._failed:  # a step in progress: a loop that raises on the NaN loss it just saw stops here
+            self.call_guarded(self._save_bad_live_inputs, True, status == "crashed")
         self.closed = True
         _open_watches.discard(self)
         for handle in self._handles:
@@ -798,6 +865,8 @@ class Watch:
             self.observer.remove()
         if self.replayer is not None:
             self.replayer.remove()
+        if self._root_inputs is not None:
+            self._root_inputs.remove()
         if self.fp8 is not None:
             self.fp8.disarm()
         copies.release(self._copy_safe)
@@ -852,6 +921,12 @@ class _AutocastProbe:
 never_a_frame_of_its_own(_AutocastProbe.__call__)
 
 _open_watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+
+
+def _host_loss_bad(scalars: StepScalars) -> bool:
+    """Where reads are free: whether the step's loss, as read into the pack, is NaN or inf."""
+    at = scalars.layout.get("loss") if scalars.values is not None else None
+    return at is not None and not math.isfinite(scalars.values[at[0]])
 
 
 def _not_a_scalar(value: Any, allow_many: bool = False) -> Optional[str]:

@@ -302,6 +302,56 @@ class Run:
                            lambda df: df.astype({c: "float64" for c in columns[1:]}))
 
     @property
+    def batches(self) -> pd.DataFrame:
+        """The model's inputs saved from steps whose loss or outputs went NaN/Inf (schema 8), one row
+        per tensor: ``step, micro_batch, name, dtype, shape`` (a list), ``nbytes, sha256, saved``
+        (False: over the budget, listed without its bytes). The bytes: :meth:`batch`."""
+        columns = ["step", "micro_batch", "name", "dtype", "shape", "nbytes", "sha256"]
+        with guard(self.path), connect(self.path) as conn:
+            known = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'batches'").fetchone()
+        if not known:
+            empty = pd.DataFrame({c: pd.Series(dtype="int64" if c in ("step", "micro_batch", "nbytes") else "object")
+                                  for c in columns})
+            empty["saved"] = pd.Series(dtype="bool")
+            return empty
+
+        def convert(df: pd.DataFrame) -> pd.DataFrame:
+            df["shape"] = [json.loads(v) for v in df["shape"]]
+            df["saved"] = df["sha256"].notna()
+            return df
+        return self._table("batches", f"SELECT {', '.join(columns)} FROM batches ORDER BY step, micro_batch, name",
+                           convert)
+
+    def batch_bytes(self, step: int, micro_batch: Optional[int] = None) -> list[tuple[str, str, list, Optional[bytes]]]:
+        """The saved inputs of ``step`` as ``(name, dtype, shape, data)``, data None where not saved;
+        ``micro_batch`` None: the first one saved. :class:`RunError` when the step has none."""
+        saved = self.batches
+        at = saved[saved["step"] == step]
+        if micro_batch is not None:
+            at = at[at["micro_batch"] == micro_batch]
+        if at.empty:
+            steps = sorted(set(int(v) for v in saved["step"]))
+            where = f"step {step}" + (f" micro-batch {micro_batch}" if micro_batch is not None else "")
+            listed = f"steps with saved inputs: {', '.join(map(str, steps))}" if steps else "no step's inputs were saved"
+            raise RunError(f"no saved inputs for {where} in {self.path}: {listed} (Run.batches)")
+        mb = int(at["micro_batch"].min())
+        with guard(self.path), connect(self.path) as conn:
+            rows = conn.execute("SELECT name, dtype, shape, data FROM batches WHERE step = ? AND micro_batch = ?"
+                                " ORDER BY name", (int(step), mb)).fetchall()
+        return [(name, dtype, json.loads(shape), data) for name, dtype, shape, data in rows]
+
+    def batch(self, step: int, micro_batch: Optional[int] = None) -> dict[str, np.ndarray]:
+        """The saved inputs of ``step`` (``micro_batch`` None: the first saved) as numpy arrays by
+        name (``args[0]``, ``kwargs['input_ids']``). A dtype numpy lacks comes as its raw bits
+        (bfloat16 as uint16, float8 as uint8); :func:`ampwatch.load_batch` gives torch tensors.
+        A tensor listed but not saved (over the budget) is left out."""
+        out: dict[str, np.ndarray] = {}
+        for name, dtype, shape, data in self.batch_bytes(step, micro_batch):
+            if data is not None:
+                out[name] = np.frombuffer(data, dtype=_numpy_dtype(dtype)).reshape(shape)
+        return out
+
+    @property
     def notices(self) -> pd.DataFrame:
         return self._table("notices", "SELECT step, code, message FROM notices ORDER BY step")
 
@@ -447,3 +497,31 @@ def find_runs(folder: Any) -> list[Path]:
     if not files:
         raise RunError(f"no runs in {str(p)!r}: expected .sqlite files written by ampwatch")
     return files
+
+
+_RAW_BITS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """torch's dtype name -> numpy's, or the unsigned int of its width where numpy has none."""
+    if name == "bool" or (name in np.sctypeDict and not name.startswith(("float8", "bfloat"))):
+        return np.dtype(name)
+    width = 1 if name.startswith("float8") else 2 if name in ("bfloat16", "uint16") else \
+        int(''.join(c for c in name if c.isdigit()) or 8) // 8
+    return np.dtype(_RAW_BITS.get(width, "uint8"))
+
+
+def nonfinite_counts(dtype: str, data: bytes) -> Optional[tuple[int, int, int]]:
+    """(NaN count, inf count, elements) of a saved input's bytes (the ``batches`` table); None for
+    a dtype that holds neither (integers, bool) or one read here only as bits it does not know
+    (float8)."""
+    if dtype in ("float16", "float32", "float64"):
+        values = np.frombuffer(data, dtype=dtype)
+        return int(np.isnan(values).sum()), int(np.isinf(values).sum()), int(values.size)
+    if dtype == "bfloat16":  # float32's upper half: exponent 0xFF is inf (mantissa 0) or NaN
+        bits = np.frombuffer(data, dtype=np.uint16)
+        top = (bits & 0x7F80) == 0x7F80
+        nan = top & ((bits & 0x7F) != 0)
+        return int(nan.sum()), int((top & ~nan).sum()), int(bits.size)
+    return None
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TABLES = ("steps", "layers", "modules", "events", "metrics", "fp8_layers", "memory")
+TABLES = ("steps", "layers", "modules", "events", "metrics", "fp8_layers", "memory", "batches")
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Rows:
     metrics: list[tuple] = field(default_factory=list)
     fp8_layers: list[tuple] = field(default_factory=list)
     memory: list[tuple] = field(default_factory=list)
+    batches: list[tuple] = field(default_factory=list)
 
     def extend(self, other: "Rows") -> None:
         for name in TABLES:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-SCHEMA_VERSION = 7  # the number of migrations below; readers accept any version up to it
+SCHEMA_VERSION = 8  # the number of migrations below; readers accept any version up to it
 
 # SQLite stores a float NaN as NULL. Columns that may legitimately hold NaN get a bit in the row's
 # ``nan_mask`` so readers can tell "NaN" from "not measured" (see docs/schema.md).
@@ -207,6 +207,26 @@ def m007_memory(db: Database) -> None:
             device_allocated REAL,           -- bytes in tensors, CUDA caching allocator (NULL off CUDA)
             device_reserved REAL             -- bytes the allocator holds (NULL off CUDA)
         );
+        """
+    )
+
+
+@migrations()
+def m008_batches(db: Database) -> None:
+    """The model's inputs of the first steps whose loss or outputs went NaN/Inf (record/batches.py)."""
+    db.executescript(
+        """
+        CREATE TABLE batches (
+            step INTEGER NOT NULL,
+            micro_batch INTEGER NOT NULL,    -- 0-based forward of the root within the step
+            name TEXT NOT NULL,              -- where in the call: args[0], kwargs['input_ids'], ...
+            dtype TEXT NOT NULL,             -- torch's name without 'torch.': int64, float16, bfloat16, ...
+            shape TEXT NOT NULL,             -- JSON list
+            nbytes INTEGER NOT NULL,
+            sha256 TEXT,                     -- of data; NULL when not saved (over the budget)
+            data BLOB,                       -- the elements, C order, native byte order; NULL when not saved
+            PRIMARY KEY (step, micro_batch, name)
+        ) WITHOUT ROWID;
         """
     )
 

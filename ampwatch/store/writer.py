@@ -46,6 +46,7 @@ _TABLES = {
     "fp8_layers": ("INSERT OR REPLACE", ("step", "module", "role", "dtype", "scaling", "amax", "scale", "p99",
                                          "flush_frac", "sat_frac", "rel_err", "numel", "nonfinite")),
     "memory": ("INSERT OR REPLACE", ("step", "host_rss", "device_allocated", "device_reserved")),
+    "batches": ("INSERT OR REPLACE", ("step", "micro_batch", "name", "dtype", "shape", "nbytes", "sha256", "data")),
 }
 # bound variables a statement may hold: 32766 since SQLite 3.32, 999 before
 _MAX_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999
@@ -150,6 +151,10 @@ class RunWriter:
     def put_notice(self, step: Optional[int], code: str, message: str) -> None:
         self._queue.put(("notice", (step, code, message)))
 
+    def put_rows(self, rows: Rows) -> None:
+        """Rows made on the training thread (a bad step's saved inputs), committed with the next flush."""
+        self._queue.put(("rows", rows))
+
     def wait_rows(self, timeout_s: Optional[float] = None) -> bool:
         """Block until every step put so far has been turned into rows (committed or not: they
         are, within ``flush_every_s``). False if ``timeout_s`` passed first. For a caller that
@@ -235,6 +240,8 @@ class RunWriter:
                     info.update(payload)
                 elif kind == "caught up":  # wait_rows: every step put before it is rows now
                     payload.set()
+                elif kind == "rows":
+                    pending.extend(payload)
                 else:
                     notices.append(payload)
             if stop or time.monotonic() - last_flush >= self._flush_every_s or pending.count() > 200_000:
