@@ -99,6 +99,13 @@ def step_detail(path: str, key: tuple, step: int) -> dict:
     return rundata.step_detail(path, step)
 
 
+@st.cache_data(show_spinner=False, max_entries=16)
+def input_arrays(path: str, key: tuple, step: int) -> bytes:
+    """The saved inputs of ``step`` as one .npz file's bytes (every micro-batch saved; a dtype numpy lacks
+    as its raw bits): what the step inspector's download button hands over."""
+    return rundata.input_arrays(path, step)
+
+
 @st.cache_data(show_spinner="Reading the job's ranks...", max_entries=16)
 def job_view(folder: str, key: tuple, file: str) -> ranks.JobView:
     """The job ``file`` belongs to (keyed on the whole folder's stamp: any rank may grow)."""

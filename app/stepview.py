@@ -38,3 +38,13 @@ def show_step(path: Path, key: tuple, step: int) -> None:
     if len(detail["metrics"]):
         st.markdown("**Logged metrics**")
         st.dataframe(detail["metrics"], hide_index=True, key="step_metrics")
+    inputs = detail.get("inputs")
+    if inputs is not None and len(inputs):
+        st.markdown("**Saved input batch** (the model's inputs of this step, kept in the run file to run it again)")
+        st.dataframe(inputs, hide_index=True, key="step_inputs")
+        st.caption(f"As torch tensors: `ampwatch batch {path.name} --step {step} --out step{step}.pt`, or "
+                   f"`ampwatch.load_batch(run, {step})` in Python.")
+        arrays = loaders.guarded(loaders.input_arrays, str(path), key, step, path=path)
+        if arrays:
+            st.download_button("Download the inputs (NumPy .npz)", arrays, file_name=f"{path.stem}_step{step}_inputs.npz",
+                               mime="application/octet-stream", key=f"dl:inputs:{step}")

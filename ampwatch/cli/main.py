@@ -246,6 +246,62 @@ def export(path: str, fmt: str, to: Optional[str], out: Optional[str]) -> None:
         click.echo(f"wrote {file} ({len(df)} rows)")
 
 
+@cli.command()
+@click.argument("path")
+@click.option("--step", "step", type=int, default=None, help="the step whose saved inputs to write (default: list them)")
+@click.option("--micro-batch", "micro_batch", type=int, default=None,
+              help="which micro-batch of the step (default: the first saved)")
+@click.option("--out", "out", default=None, help="a new .pt file: a dict of tensors by name, for torch.load(FILE, "
+                                                 "weights_only=True)")
+def batch(path: str, step: Optional[int], micro_batch: Optional[int], out: Optional[str]) -> None:
+    """List the model inputs a run saved (from the first steps whose loss or outputs went NaN/Inf,
+    and the step a crash stopped), or write one step's to a file to reproduce it.
+
+    \b
+    Example:
+        ampwatch batch runs/exp1.sqlite
+        ampwatch batch runs/exp1.sqlite --step 180 --out step180.pt
+    """
+    run = _load(path)
+    if step is None:
+        if out is not None or micro_batch is not None:
+            raise click.UsageError("--out and --micro-batch need --step: which step's inputs to write.")
+        click.echo(_batches_text(run.batches, run.path.name))
+        return
+    rows = run.batch_bytes(step, micro_batch)  # RunError: none saved for that step
+    if out is None:
+        raise click.UsageError("--step needs --out: the .pt file to write the step's inputs into.")
+    target = Path(out)
+    if target.exists():
+        raise OutputError(f"--out {out!r} exists: pass a new file name (nothing is overwritten)")
+    import torch
+    from .. import load_batch
+    tensors = load_batch(run, step, micro_batch)
+    try:
+        torch.save(tensors, target)
+    except OSError as exc:
+        raise OutputError(f"cannot write {out!r} ({exc.strerror or exc}): pass a file in a folder you can "
+                          "write to") from None
+    mb = micro_batch if micro_batch is not None else min(int(v) for v in
+                                                           run.batches.query("step == @step")["micro_batch"])
+    left = len(rows) - len(tensors)
+    click.echo(f"wrote {out}: step {step} micro-batch {mb}, {len(tensors)} tensor{'s' if len(tensors) != 1 else ''}"
+               + (f" ({left} listed but not saved: over the budget)" if left else "")
+               + "; load with torch.load(FILE, weights_only=True)")
+
+
+def _batches_text(df: Any, file: str) -> str:
+    if df.empty:
+        return (f"{file}: no inputs saved (they are saved for the first steps whose loss or outputs went "
+                "NaN/Inf, and the step a crash stopped)")
+    lines = [f"{'step':>6}  {'mb':>3}  {'name':<24} {'dtype':<9} {'shape':<16} {'bytes':>10}  sha256"]
+    for r in df.itertuples(index=False):
+        shape = "[" + ", ".join(map(str, r.shape)) + "]"
+        digest = r.sha256[:16] if r.saved else "(not saved: over the budget)"
+        lines.append(f"{r.step:>6}  {r.micro_batch:>3}  {r.name:<24} {r.dtype:<9} {shape:<16} {r.nbytes:>10,}  {digest}")
+    return "\n".join(lines)
+
+
 def _write_parquet(df: Any, file: Path) -> None:
     """``df`` as Parquet, its nullable ``Float64`` columns (a NaN kept apart from NULL) as doubles
     holding NaN and null, which pandas reads back as float64 (both NaN), as it read them before."""

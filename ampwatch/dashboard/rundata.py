@@ -24,7 +24,8 @@ import pandas as pd
 
 from ..store.guard import reads
 from ..errors import RunError
-from ..store.reader import RunConnection, aliases_in, decode_nan_mask, event_columns, clip_threshold, effective_status, find_runs, open_run
+from ..store.reader import (RunConnection, aliases_in, decode_nan_mask, event_columns, clip_threshold, effective_status,
+                            find_runs, nonfinite_counts, open_run)
 from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
 from ..doctor.summary import error_tail
 from ..doctor.warmup import warmup_end, warmup_in_file
@@ -345,9 +346,44 @@ def step_detail(path: Any, step: int) -> dict[str, Any]:
         ev = _with_aliases(conn, ev)
         metrics = frame_of(conn, "SELECT key, value FROM metrics WHERE step = ? ORDER BY key", (int(step),))
         near = conn.execute("SELECT MAX(step) FROM layers WHERE step <= ?", (int(step),)).fetchone()[0]
+        inputs = saved_inputs(conn, step)
     row["time"] = pd.to_datetime(row["time"], unit="s", errors="coerce")  # UTC, not raw epoch seconds
     return {"step": row, "layers": layers.drop(columns=["nan_mask"]), "modules": modules, "events": ev,
-            "metrics": metrics, "layer_step_at_or_before": near}
+            "metrics": metrics, "layer_step_at_or_before": near, "inputs": inputs}
+
+
+def input_arrays(path: Any, step: int) -> bytes:
+    """Every input saved from ``step`` as the bytes of one NumPy ``.npz`` (``mb0/args[0]``, ...; a
+    dtype numpy lacks, bfloat16 or float8, as its raw bits): empty when none was saved."""
+    import io
+
+    from ..store.reader import Run
+    run = Run(path)
+    saved = run.batches
+    buffer = io.BytesIO()
+    arrays = {f"mb{mb}/{name}": array for mb in sorted(set(saved[saved["step"] == step]["micro_batch"]))
+              for name, array in run.batch(step, int(mb)).items()}
+    if not arrays:
+        return b""
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def saved_inputs(conn: Any, step: int) -> pd.DataFrame:
+    """The model's inputs saved from ``step`` (schema 8, a step whose loss or outputs went NaN/Inf
+    or the step a crash stopped): one row per tensor with its NaN/inf counts read from its bytes."""
+    columns = ["micro-batch", "input", "dtype", "shape", "bytes", "NaN", "inf", "sha256"]
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'batches'").fetchone() is None:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    for micro_batch, name, dtype, shape, nbytes, digest, data in conn.execute(
+            "SELECT micro_batch, name, dtype, shape, nbytes, sha256, data FROM batches WHERE step = ?"
+            " ORDER BY micro_batch, name", (int(step),)):
+        counts = nonfinite_counts(dtype, data) if data is not None else None
+        rows.append((micro_batch, name, dtype, "×".join(map(str, json.loads(shape))) or "scalar", nbytes,
+                     counts[0] if counts else None, counts[1] if counts else None,
+                     digest if digest is not None else "not saved (over the budget)"))
+    return pd.DataFrame(rows, columns=columns)
 
 
 # -- layers and modules -----------------------------------------------------------------------------

@@ -127,4 +127,17 @@ def run_crashed(facts: Facts) -> list[Finding]:
         "run-crashed", "error", f"The run crashed at step {step:,}: {last}", step, step,
         f"status crashed {done}; the traceback ends: " + " | ".join(t.strip() for t in tail),
         "Fix the exception (ampwatch summary prints the traceback's last lines; the whole text is in run.error) "
-        "and resume from the last checkpoint.", jump=facts.jump(step, step))]
+        "and resume from the last checkpoint." + _crash_inputs(facts), jump=facts.jump(step, step))]
+
+
+def _crash_inputs(facts: Facts) -> str:
+    """The saved inputs of the step the crash stopped (the last one saved, at or after the last
+    recorded step), pointed at."""
+    saved = facts.saved_input_steps
+    last = facts.last_step if len(facts.steps) else 0
+    if not saved or saved[-1] < last:
+        return ""
+    bad = facts.nonfinite_inputs(saved[-1])
+    held = "; ".join(f"{name} holds {nan + inf:,} NaN/inf of {numel:,} values" for name, _, nan, inf, numel in bad)
+    return ((f" The step's input batch itself is not finite ({held}): the data is the cause, fix or drop that "
+             f"sample." if bad else "") + facts.saved_inputs_text(saved[-1]))

@@ -12,6 +12,7 @@ import math
 import sys
 from contextlib import contextmanager
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
@@ -19,7 +20,7 @@ import pandas as pd
 
 from .finding import Finding
 from .warmup import nan_tail_start, warmup_of
-from ..store.reader import connect, decode_nan_mask
+from ..store.reader import connect, decode_nan_mask, nonfinite_counts
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Warm-up and the diverged tail: one rule for the doctor, the summary and the dashboard (.warmup).
@@ -79,6 +80,50 @@ class Facts:
         """Whether the run file has table ``name`` (files of older schemas lack the newer ones)."""
         return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
                                   (name,)).fetchone() is not None
+
+    @cached_property
+    def saved_input_steps(self) -> list[int]:
+        """Steps whose model inputs the run file holds (schema 8: record/batches.py), ascending."""
+        if not self.has_table("batches"):
+            return []
+        df = self._query("SELECT DISTINCT step FROM batches WHERE data IS NOT NULL ORDER BY step")
+        return [int(v) for v in df["step"]]
+
+    def _saved(self, step: int) -> list[tuple[str, int, str, bytes]]:
+        if step not in self.saved_input_steps:
+            return []
+        return self._conn.execute("SELECT name, micro_batch, dtype, data FROM batches WHERE step = ? AND data IS NOT"
+                                  " NULL ORDER BY micro_batch, name", (step,)).fetchall()
+
+    def ignored_labels(self, step: int) -> list[tuple[str, int, int, int]]:
+        """The saved integer inputs of ``step`` named like labels whose every value is one negative
+        number (PyTorch's and Hugging Face's ignore index is -100): ``(name, micro_batch, value,
+        numel)``. A mean cross-entropy over such a batch divides 0 by 0 tokens."""
+        found = []
+        for name, micro_batch, dtype, data in self._saved(step):
+            if "label" in name.lower() and dtype in ("int64", "int32") and data:
+                values = np.frombuffer(data, dtype=dtype)
+                if values[0] < 0 and (values == values[0]).all():
+                    found.append((name, int(micro_batch), int(values[0]), int(values.size)))
+        return found
+
+    def nonfinite_inputs(self, step: int) -> list[tuple[str, int, int, int, int]]:
+        """The saved inputs of ``step`` that hold NaN or inf: ``(name, micro_batch, nan, inf,
+        numel)`` each, read from their bytes (float16/32/64 and bfloat16)."""
+        found = []
+        for name, micro_batch, dtype, data in self._saved(step):
+            counts = nonfinite_counts(dtype, data)
+            if counts is not None and (counts[0] or counts[1]):
+                found.append((name, int(micro_batch), *counts))
+        return found
+
+    def saved_inputs_text(self, step: int) -> str:
+        """A sentence pointing at ``step``'s saved inputs, or "" when the file holds none for it."""
+        if step not in self.saved_input_steps:
+            return ""
+        name = Path(str(self._run.path)).name
+        return (f" To run step {step:,} again, its inputs are saved in the run file: `ampwatch batch {name} --step "
+                f"{step} --out step{step}.pt` writes them (ampwatch.load_batch in Python).")
 
     # -- small tables, read whole on first use -----------------------------------------------------
 
@@ -362,3 +407,4 @@ class Facts:
                     break
         cur.close()
         return found
+

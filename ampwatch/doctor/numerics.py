@@ -277,6 +277,12 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     where = (f"; made in {module}'s own code (between its children), flowing into {into}"
              if isinstance(into, str) else "")
     facts.claims["nonfinite-origin"] = (module, phase)
+    bad_inputs = facts.nonfinite_inputs(first)
+    if bad_inputs:
+        return [_input_origin(facts, first, bad_steps, bad_inputs)]
+    ignored = facts.ignored_labels(first) if e["kind"] == "nan" and phase in ("loss", "forward") else []
+    if ignored:
+        return [_no_target_tokens(facts, first, bad_steps, ignored)]
     evidence = (f"step {first:,}: {what} holds {count}{e['kind']} {values}{dtype}"
                 + (" while its inputs were finite" if e["origin"] else "")
                 + f"; non-finite values at {counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])}),"
@@ -285,5 +291,42 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     cls = facts.module_type(module)
     title = (f"Loss became {kind} at step {first:,}" if phase == "loss" else
              f"{kind} born in {module} ({cls + ', ' if cls else ''}{phase}) at step {first:,}")
-    return [facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice + ".",
+    advice += "." + facts.saved_inputs_text(first)
+    return [facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice,
                           jump=facts.jump(first, first))]
+
+
+def _input_origin(facts: Facts, first: int, bad_steps: list[int], bad_inputs: list) -> Finding:
+    """The batch itself held NaN/Inf: the model's saved inputs of ``first`` were read back from the
+    run file. No module's arithmetic is at fault, and no precision setting fixes it."""
+    parts = []
+    for name, micro_batch, nan, inf, numel in bad_inputs:
+        held = " and ".join(f"{n:,} {what}" for n, what in ((nan, "NaN"), (inf, "inf")) if n)
+        parts.append(f"{name}{f' (micro-batch {micro_batch})' if micro_batch else ''} holds {held} of "
+                     f"{numel:,} values")
+    kind = "NaN" if any(b[2] for b in bad_inputs) else "Inf"
+    title = f"{kind} in the model's input batch at step {first:,}"
+    evidence = (f"step {first:,}: the inputs saved from the step, read back from the run file: " + "; ".join(parts)
+                + f". Non-finite values at {counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])})")
+    advice = ("The data is the cause, not the model or its precision: find this batch in the data pipeline (the "
+              "saved inputs' sha256 identifies it) and fix or drop the sample (a missing value, a log of 0, a "
+              "division by zero in preprocessing); a check such as torch.isfinite(x).all() in the loader keeps "
+              "such batches out." + facts.saved_inputs_text(first))
+    return facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice,
+                         jump=facts.jump(first, first))
+
+
+def _no_target_tokens(facts: Facts, first: int, bad_steps: list[int], ignored: list) -> Finding:
+    """Every label of the batch is the ignore index: a mean cross-entropy over 0 tokens is 0/0."""
+    name, micro_batch, value, numel = ignored[0]
+    where = f"{name}{f' (micro-batch {micro_batch})' if micro_batch else ''}"
+    title = f"Loss became NaN at step {first:,}: every label of its batch is {value}"
+    evidence = (f"step {first:,}: the loss is NaN; {where}, saved from the step, holds {numel:,} values, all {value} "
+                f"(the ignore index): the loss averages over zero target tokens, 0/0. Non-finite values at "
+                f"{counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])})")
+    advice = ("Not a precision problem: the batch has no token to learn from. Drop such samples before batching "
+              "(a prompt truncated to the whole sequence leaves only ignored labels), or divide the summed loss by "
+              "the step's count of target tokens, guarded against 0 (Hugging Face: num_items_in_batch)."
+              + facts.saved_inputs_text(first))
+    return facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice,
+                         jump=facts.jump(first, first))
