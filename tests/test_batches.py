@@ -221,6 +221,7 @@ def test_a_loop_that_raises_on_its_nan_loss_keeps_that_steps_inputs(tmp_path, re
                         "no saved inputs for step 3"),
                        (["batch", str(path), "--step", "6", "--out", str(out)], "exists"),
                        (["batch", str(path), "--out", str(tmp_path / "y.pt")], "need --step"),
+                       (["batch", str(path), "--step", "6", "--out", str(tmp_path / "no" / "z.pt")], "does not exist"),
                        (["batch", str(tmp_path / "missing.sqlite")], "missing.sqlite")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as done:

@@ -274,14 +274,18 @@ def batch(path: str, step: Optional[int], micro_batch: Optional[int], out: Optio
     target = Path(out)
     if target.exists():
         raise OutputError(f"--out {out!r} exists: pass a new file name (nothing is overwritten)")
+    if not target.parent.is_dir():
+        raise OutputError(f"cannot write {out!r}: the folder {str(target.parent)!r} does not exist; pass a file "
+                          "in a folder you can write to")
     import torch
     from .. import load_batch
     tensors = load_batch(run, step, micro_batch)
     try:
         torch.save(tensors, target)
-    except OSError as exc:
-        raise OutputError(f"cannot write {out!r} ({exc.strerror or exc}): pass a file in a folder you can "
-                          "write to") from None
+    except (OSError, RuntimeError) as exc:  # torch.save's own writer raises RuntimeError
+        target.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {out!r} ({getattr(exc, 'strerror', None) or exc}): pass a file in a "
+                          "folder you can write to") from None
     mb = micro_batch if micro_batch is not None else min(int(v) for v in
                                                            run.batches.query("step == @step")["micro_batch"])
     left = len(rows) - len(tensors)
