@@ -320,10 +320,37 @@ def test_a_batch_whose_labels_are_all_ignored_is_named_as_the_cause(tmp_path, re
     run = ampwatch.load(path)
     assert np.isnan(run.steps["loss"][6]) and not run.steps["skipped"].any()  # the premise
     first = ampwatch.diagnose(run)[0]
-    if record_path == "accelerator":
-        assert run.batches.empty and first.title == "Loss became NaN at step 6"
+    if record_path == "accelerator":  # not saved; the recorded figures still tell a 0/0 loss
+        assert run.batches.empty and first.title == "Loss became NaN at step 6 while its gradients were all zero"
+        assert "gradient norm is exactly 0" in first.evidence and "-100" in first.advice
         return
     assert sorted(run.batches["name"]) == ["kwargs['input_ids']", "kwargs['labels']"]
     assert (run.batch(6)["kwargs['labels']"] == -100).all()
     assert first.title == "Loss became NaN at step 6: every label of its batch is -100"
     assert "holds 16 values, all -100" in first.evidence and "num_items_in_batch" in first.advice
+
+
+def test_a_nan_loss_outside_the_model_with_zero_gradients_reads_as_a_mean_over_nothing(tmp_path, record_path):
+    """The loss computed in the loop (targets are no model input, so no labels are saved): a NaN
+    loss whose gradient norm is exactly 0 is a 0/0, not the model's arithmetic."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    path = tmp_path / "outside.sqlite"
+    with ampwatch.attach(model, opt, scaler, path=path, layer_every=5):
+        for step in range(8):
+            x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+            if step == 3:
+                y[:] = -100
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    run = ampwatch.load(path)
+    assert run.steps["grad_norm"][3] == 0.0 and np.isnan(run.steps["loss"][3])  # the premise
+    first = ampwatch.diagnose(run)[0]
+    assert first.title == "Loss became NaN at step 3 while its gradients were all zero"
+    assert "nothing skipped the step" in first.evidence

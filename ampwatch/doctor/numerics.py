@@ -283,6 +283,8 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     ignored = facts.ignored_labels(first) if e["kind"] == "nan" and phase in ("loss", "forward") else []
     if ignored:
         return [_no_target_tokens(facts, first, bad_steps, ignored)]
+    if phase == "loss" and e["kind"] == "nan" and _gradients_all_zero(facts, first):
+        return [_empty_mean(facts, first, bad_steps)]
     evidence = (f"step {first:,}: {what} holds {count}{e['kind']} {values}{dtype}"
                 + (" while its inputs were finite" if e["origin"] else "")
                 + f"; non-finite values at {counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])}),"
@@ -316,6 +318,11 @@ def _input_origin(facts: Facts, first: int, bad_steps: list[int], bad_inputs: li
                          jump=facts.jump(first, first))
 
 
+_NO_TOKENS_FIX = ("Drop such samples before batching (a prompt truncated to the whole sequence leaves only ignored "
+                  "labels), or divide the summed loss by the step's count of target tokens, guarded against 0 "
+                  "(Hugging Face: num_items_in_batch).")
+
+
 def _no_target_tokens(facts: Facts, first: int, bad_steps: list[int], ignored: list) -> Finding:
     """Every label of the batch is the ignore index: a mean cross-entropy over 0 tokens is 0/0."""
     name, micro_batch, value, numel = ignored[0]
@@ -324,9 +331,28 @@ def _no_target_tokens(facts: Facts, first: int, bad_steps: list[int], ignored: l
     evidence = (f"step {first:,}: the loss is NaN; {where}, saved from the step, holds {numel:,} values, all {value} "
                 f"(the ignore index): the loss averages over zero target tokens, 0/0. Non-finite values at "
                 f"{counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])})")
-    advice = ("Not a precision problem: the batch has no token to learn from. Drop such samples before batching "
-              "(a prompt truncated to the whole sequence leaves only ignored labels), or divide the summed loss by "
-              "the step's count of target tokens, guarded against 0 (Hugging Face: num_items_in_batch)."
-              + facts.saved_inputs_text(first))
+    advice = "Not a precision problem: the batch has no token to learn from. " + _NO_TOKENS_FIX + \
+        facts.saved_inputs_text(first)
+    return facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice,
+                         jump=facts.jump(first, first))
+
+
+def _gradients_all_zero(facts: Facts, step: int) -> bool:
+    """Whether ``step``'s recorded gradient norm is exactly 0 (a NaN loss whose gradient is zero
+    everywhere: nothing the model computed depends on the NaN)."""
+    row = facts.steps[facts.steps["step"] == step]
+    return len(row) == 1 and bool(row["grad_norm"].iloc[0] == 0.0)
+
+
+def _empty_mean(facts: Facts, first: int, bad_steps: list[int]) -> Finding:
+    """A NaN loss with all-zero gradients: the loss divided 0 by 0 (a mean over no element)."""
+    skipped = bool(facts.steps.loc[facts.steps["step"] == first, "skipped"].iloc[0])
+    title = f"Loss became NaN at step {first:,} while its gradients were all zero"
+    evidence = (f"step {first:,}: the loss is NaN and the gradient norm is exactly 0, not NaN"
+                + ("" if skipped else ", so nothing skipped the step") + ": the NaN is the loss's own 0/0, a mean "
+                f"over no element, with nothing of the model's output left in it. Non-finite values at "
+                f"{counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])})")
+    advice = ("Not a precision problem: most often every label of the batch is the ignore index (-100), so a mean "
+              "cross-entropy averages over zero target tokens. " + _NO_TOKENS_FIX + facts.saved_inputs_text(first))
     return facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice,
                          jump=facts.jump(first, first))
