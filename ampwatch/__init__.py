@@ -81,13 +81,15 @@ def load_group(folder_or_glob: Any, job: Optional[str] = None) -> "RunGroup":
     return _load_group(folder_or_glob, job)
 
 
-def load_batch(run: Any, step: int, micro_batch: Optional[int] = None) -> dict:
+def load_batch(run: Any, step: int, micro_batch: Optional[int] = None, call: bool = False) -> Any:
     """The model's inputs saved from ``step`` of a run (a :class:`Run` or a path) as CPU tensors by
     name (``args[0]``, ``kwargs['input_ids']``): saved for the first steps whose loss or outputs
     went NaN/Inf, and for the step a run crashed in (option ``save_batches``). ``micro_batch``
     None: the first one saved. To reproduce the step, feed them to the model restored from a
-    checkpoint of the step before: ``model(*[b[k] for k in sorted(b) if k.startswith("args")])``.
-    Raises :class:`RunError` (one line, listing the steps saved) when the step has none."""
+    checkpoint of the step before. ``call=True``: ``(args, kwargs)`` rebuilt from the names, for
+    ``model(*args, **kwargs)`` (a :class:`RunError` when an argument that was not a tensor, and so
+    not saved, leaves a gap). Raises :class:`RunError` (one line, listing the steps saved) when the
+    step has none."""
     import torch
     if not hasattr(type(run), "batch_bytes"):
         run = load(run)
@@ -101,6 +103,9 @@ def load_batch(run: Any, step: int, micro_batch: Optional[int] = None) -> dict:
                            f"upgrade torch to read it")
         flat = torch.frombuffer(bytearray(data), dtype=kind) if data else torch.empty(0, dtype=kind)
         out[name] = flat.reshape(shape)
+    if call:
+        from .store.reader import call_from_names
+        return call_from_names(out, f"step {step} of {run.path.name}")
     return out
 
 

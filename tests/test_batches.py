@@ -142,6 +142,40 @@ def test_names_dtypes_and_nested_arguments(tmp_path, record_path):
     assert torch.equal(tensors["args[0]"], fed[0]) and torch.equal(tensors["kwargs['extra']['shift']"], fed[1])
     assert tensors["kwargs['extra']['scale']"].shape == () and torch.isinf(tensors["kwargs['extra']['scale']"])
     assert ampwatch.diagnose(run)[0].title == "Inf in the model's input batch at step 4"
+    # the call rebuilt from the names runs the model as the loop did
+    args, kwargs = ampwatch.load_batch(run, 4, call=True)
+    assert len(args) == 1 and torch.equal(args[0], fed[0]) and sorted(kwargs["extra"]) == ["scale", "shift"]
+    with torch.autocast("cpu", dtype=torch.float16):
+        again = model(*args, **kwargs)
+    assert not torch.isfinite(again).all()  # the saved inf scale makes the output non-finite again
+
+
+def test_a_call_with_a_non_tensor_argument_is_refused_not_guessed(tmp_path):
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, flag, x):
+            return self.lin(x) * flag
+
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    path = tmp_path / "gap.sqlite"
+    with ampwatch.attach(model, opt, torch.amp.GradScaler("cpu"), path=path, layer_every=5) as watch:
+        for step in range(4):
+            x = torch.randn(3, 4)
+            x[0, 0] = float("nan") if step == 2 else x[0, 0]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(2.0, x).float().sum()
+            watch.scaler.scale(loss).backward()
+            watch.scaler.step(opt)
+            watch.scaler.update()
+            opt.zero_grad()
+    assert list(ampwatch.load_batch(path, 2)) == ["args[1]"]
+    with pytest.raises(ampwatch.RunError, match=r"args\[0\] of step 2 of gap.sqlite was not saved"):
+        ampwatch.load_batch(path, 2, call=True)
 
 
 def test_the_budget_keeps_the_first_steps_and_lists_what_it_could_not_hold(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -525,3 +526,38 @@ def nonfinite_counts(dtype: str, data: bytes) -> Optional[tuple[int, int, int]]:
         return int(nan.sum()), int((top & ~nan).sum()), int(bits.size)
     return None
 
+
+_STEP_IN_NAME = re.compile(r"""\[(\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\["((?:[^"\\]|\\.)*)"\]""")
+
+
+def call_from_names(values: dict[str, Any], where: str) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` rebuilt from saved inputs named as the recorder names them (``args[0]``,
+    ``kwargs['batch']['ids']``, ``args[1][0]``: record/batches.py), for ``model(*args, **kwargs)``.
+    Lists stand for the tuples and lists the call held. A position the recorder did not save (not a
+    tensor) cannot be filled: :class:`RunError` naming it (``where``: the run and step, for it)."""
+    root: dict[str, Any] = {"args": {}, "kwargs": {}}
+    for name, value in values.items():
+        head, _, rest = name.partition("[")
+        if head not in root:
+            raise RunError(f"saved input {name!r} of {where} is not named args[...] or kwargs[...]")
+        keys = []
+        for index, single, double in _STEP_IN_NAME.findall("[" + rest if rest else ""):
+            key = single or double  # repr's quoting: no eval, its three escapes undone
+            keys.append(int(index) if index else key.replace("\\'", "'").replace('\\"', '"').replace("\\\\", "\\"))
+        node: Any = root[head]
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        if keys:
+            node[keys[-1]] = value
+    def build(node: Any, label: str) -> Any:
+        if not isinstance(node, dict) or not node:
+            return node
+        if all(isinstance(k, int) for k in node):
+            missing = sorted(set(range(max(node) + 1)) - set(node))
+            if missing:
+                raise RunError(f"{label}[{missing[0]}] of {where} was not saved (not a tensor): the call cannot be "
+                               "rebuilt; use the tensors by name (ampwatch.load_batch without call=True)")
+            return [build(node[i], f"{label}[{i}]") for i in range(len(node))]
+        return {k: build(v, f"{label}[{k!r}]") for k, v in node.items()}
+    args = build(root["args"], "args") or []
+    return tuple(args), build(root["kwargs"], "kwargs") or {}
