@@ -19,7 +19,7 @@ import pandas as pd
 
 from .finding import Finding
 from .warmup import nan_tail_start, warmup_of
-from ..store.reader import connect, decode_nan_mask
+from ..store.reader import connect, decode_nan_mask, has_table
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Warm-up and the diverged tail: one rule for the doctor, the summary and the dashboard (.warmup).
@@ -77,8 +77,7 @@ class Facts:
 
     def has_table(self, name: str) -> bool:
         """Whether the run file has table ``name`` (files of older schemas lack the newer ones)."""
-        return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                                  (name,)).fetchone() is not None
+        return has_table(self._conn, name)
 
     # -- small tables, read whole on first use -----------------------------------------------------
 

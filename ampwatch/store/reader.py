@@ -103,6 +103,13 @@ def check_schema(conn: sqlite3.Connection, p: Path) -> None:
                        f"up to {SCHEMA_VERSION}): upgrade ampwatch (pip install -U ampwatch)")
 
 
+def has_table(conn: sqlite3.Connection, name: str) -> bool:
+    """Whether the run file open on ``conn`` has table ``name``. Files of older schemas lack the
+    tables added since (``memory``: schema 7), and a reader never migrates them: every reader of
+    such a table asks here first."""
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
 def pid_alive(pid: Optional[int]) -> bool:
     if not isinstance(pid, int) or pid <= 0:  # 0 or negative would ask about a process group
         return False
@@ -295,7 +302,7 @@ class Run:
         device_allocated, device_reserved``; NaN where not read; empty for older files."""
         columns = ["step", "host_rss", "device_allocated", "device_reserved"]
         with guard(self.path), connect(self.path) as conn:
-            known = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory'").fetchone()
+            known = has_table(conn, "memory")
         if not known:
             return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else "float64") for c in columns})
         return self._table("memory", f"SELECT {', '.join(columns)} FROM memory ORDER BY step",
