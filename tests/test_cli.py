@@ -356,8 +356,13 @@ def test_counts_are_written_and_read_as_integers(tmp_path, monkeypatch, accelera
         micro = [r[0] for r in conn.execute("SELECT micro_batches FROM steps ORDER BY step")]
     finally:
         conn.close()
-    assert None in counts and any(c is not None for c in counts)  # both kinds of cell, by the file
+    # both kinds of cell, by the file. On the accelerator path without a scaler no step is known bad
+    # on the host before its replay, so no event is counted (its only counted one was step 7's
+    # float32 norm that overflowed on finite elements: an inf event of count 0, now none); its
+    # integer cells are the layers' (that gradient's 0 among them)
+    assert None in counts and (any(c is not None for c in counts) or accelerator)
     assert None in nonfinite or not accelerator
+    assert any(v is not None for v in nonfinite)
 
     def column(table, col):
         with open(tmp_path / "out" / f"r_{table}.csv", newline="") as f:
