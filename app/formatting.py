@@ -49,17 +49,22 @@ RUN_COLUMNS = {"skipped_pct": st.column_config.NumberColumn("skipped %", format=
                "final_scale": "final loss scale", "last_loss": "last loss",
                "health": st.column_config.TextColumn(
                    "health", help="the doctor's worst severity and first root cause; ok: nothing above info"),
-               "first_nonfinite_step": st.column_config.NumberColumn("first NaN/inf step",
-                                                                     help="after the scaler's warm-up"),
+               # text: st.dataframe shows a missing number as 'None' ('–' here, as the other columns)
+               "first_nonfinite_step": st.column_config.TextColumn("first NaN/inf step",
+                                                                   help="after the scaler's warm-up; – for none"),
                "started": st.column_config.DatetimeColumn("started (UTC)")}
 
 
 def runs_for_display(df: pd.DataFrame) -> pd.DataFrame:
     """A runs table for display: the final loss scale as the overview's headline writes it (65536,
-    2^-53), not 6.554e+04, and '–' without a scaler; a NaN last loss stays 'NaN', none logged is '–'."""
+    2^-53), not 6.554e+04, and '–' without a scaler; a NaN last loss stays 'NaN', none logged is '–';
+    the first NaN/inf step '–' where nothing went non-finite."""
     out = readable(df, {"last_loss": "NaN"})
     out["final_scale"] = ["–" if v is None or v != v else fmt_scale(v)  # NULL (no scaler) reads NaN in pandas
                           for v in out["final_scale"].astype(object)]
+    if "first_nonfinite_step" in out:  # a column of ints and None is float in pandas: None reads NaN
+        out["first_nonfinite_step"] = ["–" if v is None or v != v else str(int(v))
+                                       for v in out["first_nonfinite_step"].astype(object)]
     return out
 
 

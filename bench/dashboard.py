@@ -3,9 +3,10 @@
 Builds a 1,000,000-step run with 200 parameter tensors and 150 modules in a file created by the real
 writer (``create_run_file``: the real schema and run row), with per-layer and per-module rows at the
 default ``layer_every`` exactly as the recorder writes them (every N steps, plus skipped steps), one
-loss spike, a few NaN steps and a burst of skipped steps. Then times each dashboard data call cold
-(a fresh process-level cache: the dashboard's ``st.cache_data`` is bypassed) several times, with
-the variants interleaved, and prints medians.
+loss spike, a few NaN steps and a burst of skipped steps (at the same fractions of a run of another
+``--steps``). Then times each dashboard data call cold (a fresh process-level cache: the
+dashboard's ``st.cache_data`` is bypassed) several times, with the variants interleaved, and
+prints medians.
 
     python bench/dashboard.py [--steps 1000000] [--params 200] [--modules 150] [--repeat 5] [--keep FILE]
 """
@@ -17,6 +18,7 @@ import sqlite3
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,21 +27,42 @@ from ampwatch.store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 from ampwatch.record.options import DEFAULTS
 from ampwatch.store.writer import _INSERTS, create_run_file
 
+# Where the faults lie in the default 1,000,000-step run; a run of another length has them at the
+# same fractions of its length (marks()), so --steps 2000 builds the same shape of run.
+DEFAULT_STEPS = 1_000_000
 SPIKE_STEP = 654_321
 NAN_STEPS = (400_003, 777_777)
 SKIP_BURST = (500_000, 500_050)
+MIN_STEPS = 100  # below this the marks would crowd into each other
+
+
+@dataclass(frozen=True)
+class Marks:
+    """The faults of a run of some length: a loss spike, NaN steps, a burst of skipped steps."""
+    spike: int
+    nan_steps: tuple[int, ...]
+    skip_burst: tuple[int, int]  # [start, end)
+
+
+def marks(steps: int) -> Marks:
+    """The faults placed at the default run's fractions of ``steps`` (exactly the constants above
+    at the default length); the skip burst keeps its 50 steps, shorter where the run is short."""
+    at = lambda step: step * steps // DEFAULT_STEPS  # noqa: E731 (integers: exact at the default)
+    burst = min(SKIP_BURST[1] - SKIP_BURST[0], max(1, steps // 20))
+    return Marks(at(SPIKE_STEP), tuple(at(s) for s in NAN_STEPS), (at(SKIP_BURST[0]), at(SKIP_BURST[0]) + burst))
 
 
 def _step_rows(steps: int, rng: np.random.Generator) -> list[tuple]:
+    m = marks(steps)
     s = np.arange(steps)
     loss = 4.0 * np.exp(-s / (steps / 5)) + 0.5 + 0.05 * rng.random(steps)
     scale = 2.0 ** (16 + (s // 20_000) % 4)
     skipped = np.zeros(steps, dtype=np.int64)
-    skipped[SKIP_BURST[0]:SKIP_BURST[1]] = 1
+    skipped[m.skip_burst[0]:m.skip_burst[1]] = 1
     norm = 0.5 + rng.random(steps)
-    loss[SPIKE_STEP] = 1e4
+    loss[m.spike] = 1e4
     mask = np.zeros(steps, dtype=np.int64)
-    for st in NAN_STEPS:
+    for st in m.nan_steps:
         mask[st] = STEP_NAN_BITS["loss"] | STEP_NAN_BITS["grad_norm"]
         skipped[st] = 1
     loss_col = [None if m else v for v, m in zip(loss.tolist(), mask.tolist())]
@@ -51,17 +74,18 @@ def _step_rows(steps: int, rng: np.random.Generator) -> list[tuple]:
 
 
 def _detail_steps(steps: int, layer_every: int) -> np.ndarray:
-    extra = list(range(*SKIP_BURST)) + list(NAN_STEPS)
+    m = marks(steps)
+    extra = list(range(*m.skip_burst)) + list(m.nan_steps)
     return np.union1d(np.arange(0, steps, layer_every), extra)
 
 
-def _layer_rows(detail: np.ndarray, n_params: int, rng: np.random.Generator) -> list[tuple]:
+def _layer_rows(detail: np.ndarray, n_params: int, rng: np.random.Generator, nan_steps: tuple) -> list[tuple]:
     n = len(detail)
     step = np.repeat(detail, n_params)
     pid = np.tile(np.arange(n_params), n)
     norm = rng.random(n * n_params) * np.tile(np.logspace(-3, 1, n_params), n)
     mask = np.zeros(n * n_params, dtype=np.int64)
-    bad = np.isin(step, NAN_STEPS) & (pid == 7)
+    bad = np.isin(step, nan_steps) & (pid == 7)
     mask[bad] = LAYER_NAN_BITS["grad_norm"]
     norm_col = norm.tolist()
     for i in np.flatnonzero(bad).tolist():
@@ -99,7 +123,7 @@ def build_run(path: Path, steps: int = 1_000_000, n_params: int = 200, n_modules
     conn.executemany(_INSERTS["steps"], _step_rows(steps, rng))
     detail = _detail_steps(steps, layer_every)
     for chunk in np.array_split(detail, max(1, len(detail) // 5000)):
-        conn.executemany(_INSERTS["layers"], _layer_rows(chunk, n_params, rng))
+        conn.executemany(_INSERTS["layers"], _layer_rows(chunk, n_params, rng, marks(steps).nan_steps))
         if n_modules:
             conn.executemany(_INSERTS["modules"], _module_rows(chunk, n_params, n_modules, rng))
     conn.execute("COMMIT")
@@ -139,6 +163,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--keep", type=Path, help="build (or reuse) the big run at this path instead of a temp file")
     args = ap.parse_args()
+    if args.steps < MIN_STEPS:
+        ap.error(f"--steps must be at least {MIN_STEPS} (the run holds a spike, NaN steps and a burst of skips)")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.keep or Path(tmp) / "big.sqlite"
         if not path.exists():

@@ -325,3 +325,30 @@ def test_headroom_of_an_fp8_run_is_not_against_float16(tmp_path):
     df = layerdata.module_headroom(path)
     assert len(df) and (df["limit"] == 3.3895313892515355e38).all()  # bfloat16's: torchao's lower high precision
     assert (layerdata.module_headroom(healthy)["limit"] == 65504.0).all()
+
+
+def test_the_dashboard_bench_builds_a_run_of_any_length_with_its_faults_in_place(tmp_path):
+    """``python bench/dashboard.py --steps N`` raised IndexError below 1,000,000 steps (its spike,
+    NaN steps and skip burst lay at fixed steps past 400,000); they now lie at the same fractions
+    of any length, exactly where they were at the default."""
+    import subprocess
+    import sys
+    bench = Path(__file__).resolve().parent.parent / "bench" / "dashboard.py"
+    done = subprocess.run([sys.executable, str(bench), "--steps", "2000", "--repeat", "1", "--params", "8",
+                           "--modules", "4", "--keep", str(tmp_path / "small.sqlite")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| run overview data ready |" in done.stdout
+    # the marks, placed by hand at the default's fractions of 2,000 steps
+    nan_steps, spike, burst = [800, 1555], 1308, list(range(1000, 1050))
+    truth = _truth_steps(tmp_path / "small.sqlite")
+    assert len(truth) == 2000
+    assert truth.loc[truth["nonfinite"], "step"].tolist() == nan_steps
+    assert truth.loc[truth["loss"] > 100, "step"].tolist() == [spike]
+    assert truth.loc[truth["skipped"] == 1, "step"].tolist() == sorted(burst + nan_steps)
+    ov = rundata.overview_data(tmp_path / "small.sqlite")
+    assert ov.nonfinite_steps.tolist() == nan_steps and ov.skipped_steps.tolist() == sorted(burst + nan_steps)
+    done = subprocess.run([sys.executable, "-c", "import dashboard; m = dashboard.marks(1_000_000); "
+                           "print(m.spike, m.nan_steps, m.skip_burst)"], cwd=bench.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[0] == "654321 (400003, 777777) (500000, 500050)", done.stderr[-2000:]

@@ -136,3 +136,12 @@ def test_no_bench_script_stands_in_for_a_module_a_library_imports(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_only_the_store_asks_which_tables_a_run_file_has():
+    """Whether a run file has a table (files of older schemas lack the newer ones) was asked with the
+    same SQL in five places (the memory table's readers in the store, the dashboard and the
+    trackers, the fp8 page, the doctor's facts); they now share ``store.reader.has_table``."""
+    asking = [str(p.relative_to(PACKAGE.parent)) for m, p in MODULES.items()
+              if not _within(m, ("ampwatch.store",)) and "sqlite_master" in p.read_text()]
+    assert asking == []

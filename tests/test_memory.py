@@ -118,3 +118,38 @@ def test_on_cuda_the_allocators_bytes_are_judged_and_a_crash_out_of_memory_follo
     assert "about 8 MiB a step" in grown.evidence and grown.evidence.endswith("; the run then crashed")
     crash = next(f for f in findings if f.id == "run-crashed")
     assert crash.cause == "memory-growth" and "CUDA out of memory" in crash.title
+
+
+def test_every_reader_of_the_memory_table_asks_the_store_whether_the_file_has_one(tmp_path):
+    """Run.memory, the dashboard's memory_data and the trackers' read_points each asked SQLite
+    themselves whether a run file has the ``memory`` table (files before schema 7 lack it); they
+    now ask one helper of the store, and agree with each other and with SQLite read directly,
+    with the table and without it."""
+    import shutil
+    import sqlite3
+    from ampwatch.dashboard.rundata import memory_data
+    from ampwatch.store.reader import has_table
+    from ampwatch.trackers.series import MEMORY, read_points
+    from helpers.loops import train
+    path = tmp_path / "run.sqlite"
+    train(12, scaler_factory=lambda: torch.amp.GradScaler("cpu"),
+          attach=lambda m, o, s: ampwatch.attach(m, o, s, path=str(path), flush_every_s=0.01))
+    older = tmp_path / "older.sqlite"
+    shutil.copy(path, older)
+    conn = sqlite3.connect(older)
+    with conn:
+        conn.execute("DROP TABLE memory")  # as a file written before the table existed
+    conn.close()
+    for file, expected in ((path, True), (older, False)):
+        conn = sqlite3.connect(f"file:{file}?mode=ro", uri=True)
+        try:
+            truth = conn.execute("SELECT step, host_rss FROM memory ORDER BY step").fetchall() if expected else []
+            assert has_table(conn, "memory") is expected and has_table(conn, "steps")
+            read = [(p.step, p.values[MEMORY + "host_rss"]) for chunk in read_points(conn) for p in chunk
+                    if MEMORY + "host_rss" in p.values]
+        finally:
+            conn.close()
+        assert bool(truth) is expected
+        assert read == [(s, float(v)) for s, v in truth]
+        assert list(zip(ampwatch.load(file).memory["step"], ampwatch.load(file).memory["host_rss"])) == truth
+        assert list(zip(memory_data(file)["step"].astype(int), memory_data(file)["host_rss"])) == truth

@@ -489,3 +489,54 @@ def test_zero_fraction_of_each_gradient_matches_the_gradient(tmp_path, record_pa
     assert set(got) == set(truth) and len(truth) == 4 * 5
     assert got == pytest.approx(truth, abs=1e-6)
     assert all(truth[(s, "0.weight")] >= 8 / 12 for s in range(4))  # the test sees zeros at all
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaler", "no_scaler"])
+def test_a_finite_gradient_whose_float32_norm_overflows_is_no_nan_inf_event(tmp_path, record_path, scaled):
+    """Inputs 1e17 times too large at step 3 make weight gradients of finite elements up to ~1e33,
+    whose float32 norms overflow (their squares pass 3.4e38). Such a gradient was recorded as an
+    inf event with a count of 0, and the doctor called it an Inf born in the parameter's gradient.
+    Now: no event, its layer row counts no non-finite element; where reads are free its norm is
+    measured again in float64 and recorded as the finite number it is. Ground truth: the gradients
+    as the loop left them, measured here in float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if scaled else None
+    watch = ampwatch.attach(model, opt, scaler, path=str(tmp_path / "run.sqlite"), layer_every=100)
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x * (1e17 if i == 3 else 1.0)), y)
+        (scaler.scale(loss) if scaled else loss).backward()
+        if i == 3:
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+        if scaled:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            watch.log(loss=loss)
+            opt.step()
+        opt.zero_grad()
+    watch.close()
+    assert all(bool(torch.isfinite(t).all()) for t in grads)  # every element finite ...
+    fp32 = [float(torch.linalg.vector_norm(t)) for t in grads]
+    fp64 = [float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in grads]
+    overflowed = [i for i, n in enumerate(fp32) if n == math.inf]
+    assert overflowed == [0, 2] and all(math.isfinite(n) for n in fp64)  # ... and two float32 norms inf
+    assert scaler is None or scaler.get_scale() == 1.0  # the scaler found them finite: no backoff
+    run = ampwatch.load(watch.path)
+    assert run.events.empty
+    assert "replay-not-reproduced" not in set(run.notices["code"])  # nothing was non-finite to replay
+    layers = run.layers[run.layers["step"] == 3].set_index("name")
+    names = [n for n, _ in model.named_parameters()]
+    norm = run.steps.set_index("step").loc[3, "grad_norm"]
+    if record_path == "host":  # measured again in float64, on this step only: a finite step
+        assert norm == pytest.approx(math.sqrt(sum(n * n for n in fp64)), rel=1e-6)
+        assert layers.empty  # no layer_every step, nothing non-finite
+    else:  # the device's float32 norm, not measured again (that would cost every step an op)
+        assert norm == math.inf
+        assert [layers.loc[names[i], "grad_norm"] for i in overflowed] == [math.inf] * 2
+        assert [int(layers.loc[names[i], "grad_nonfinite"]) for i in overflowed] == [0, 0]
+    findings = {f.id for f in ampwatch.diagnose(watch.path)}
+    assert not findings & {"nonfinite-origin", "step-not-reproduced"}

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..doctor import SEVERITIES, Finding
 from ..doctor.finding import counted
+from ..doctor.warmup import WARMUP_NOTE, expected_overflow
 from .report import wrap
 from ..jobs.group import RunGroup, rank_list
 from ..jobs.combine import first_nonfinite
@@ -97,6 +98,11 @@ def _first_line(group: RunGroup) -> str:
         return "nonfinite none"
     where = f": {first.module} ({first.phase}{_mb(first.micro_batch)})" if first.module else ""
     text = f"nonfinite first at step {first.step} on rank {first.rank}{where}"
+    if expected_overflow(group.paths[first.rank], first.step, first.phase):
+        # every rank skips the warm-up's steps: rank 0 comes first only because it sorts first
+        others = [r for r in first.ranks if r != first.rank]
+        also = f", also rank{'s' if len(others) > 1 else ''} {rank_list(others)} at that step" if others else ""
+        return "\n".join([text + also + ":"] + wrap("", WARMUP_NOTE, indent=9))
     if first.forward_ranks:
         readable = "" if group.complete else " readable"
         text += f"; forward pass non-finite on rank {rank_list(first.forward_ranks)} of {len(group.ranks)}{readable}"

@@ -6,24 +6,18 @@ per recorded step, or the max over a bucket of steps when there are more than ``
 """
 from __future__ import annotations
 
-import sqlite3
 from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
 
-from ..store.reader import open_run
+from ..store.reader import has_table, open_run
 from .layerdata import LayerGrid
 
 # metric -> (rows it is recorded on, whether a log colour scale suits it)
 FP8_METRICS = {"flush_frac": ("casts", False), "amax": ("casts", True), "rel_err": ("output", False),
                "sat_frac": ("casts", False)}
 FP8_BUCKETS = 1000
-
-
-def _has_table(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'fp8_layers'"
-                        ).fetchone() is not None
 
 
 def has_fp8_layers(path: Any) -> bool:
@@ -40,7 +34,7 @@ def fp8_grid(path: Any, metric: str, start: Optional[int] = None, end: Optional[
     rows = "role = 'output'" if FP8_METRICS[metric][0] == "output" else "role != 'output'"
     lo, hi = -(2 ** 62) if start is None else int(start), 2 ** 62 if end is None else int(end)
     with open_run(path) as conn:
-        if not _has_table(conn):
+        if not has_table(conn, "fp8_layers"):
             df = pd.DataFrame(columns=["step", "module", "role", "value", "nonfinite"])
         else:
             df = pd.read_sql_query(
@@ -70,7 +64,7 @@ def fp8_summary(path: Any) -> pd.DataFrame:
     """Per layer and cast: fp8 dtype, scaling, worst flush share, max amax, max amax/p99, and per
     layer the mean output error (row ``output``)."""
     with open_run(path) as conn:
-        if not _has_table(conn):
+        if not has_table(conn, "fp8_layers"):
             return pd.DataFrame(columns=["module", "role", "dtype", "scaling", "max_flush_frac", "max_amax",
                                          "max_outlier_ratio", "mean_rel_err", "steps"])
         return pd.read_sql_query(

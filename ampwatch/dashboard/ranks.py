@@ -10,10 +10,9 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from ..doctor.warmup import warmup_end, warmup_in_file
+from ..doctor.warmup import expected_overflow
 from ..errors import RunError
 from ..jobs.group import RunGroup, load_groups
-from ..store.reader import open_run
 
 
 @dataclass
@@ -54,19 +53,11 @@ def job_view(folder: Any, file: str) -> JobView:
     first = group.first_nonfinite()
     first_d = None if first is None else {f.name: getattr(first, f.name) for f in fields(first) if f.name != "events"}
     if first_d is not None:  # a gradient overflow while the scaler backs off is expected (as on the Events page)
-        first_d["warmup"] = first_d["phase"] not in ("forward", "loss") and \
-            first_d["step"] < _warmup_end(group.paths[first_d["rank"]])
+        first_d["warmup"] = expected_overflow(group.paths[first_d["rank"]], first_d["step"], first_d["phase"])
     return JobView(group.name, group.job_id, group.world_size, group.grad_sharding,
                    {r: Path(p).name for r, p in group.paths.items()}, group.missing,
                    [(u.rank, u.path.name, u.reason) for u in group.unreadable], ov.ranks, ov.steps,
                    ov.global_steps, ov.every, first_d, [f.to_dict() for f in diagnose_group(group, ov)])
-
-
-def _warmup_end(path: Any) -> int:
-    """The first step after the scaler's warm-up in one rank's file (its first step without one)."""
-    with open_run(path) as conn:
-        first = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0] or 0
-        return warmup_end(warmup_in_file(conn, bool(conn.run_row.get("scaler_enabled"))), first)
 
 
 __all__ = ["JobView", "job_view", "group_of"]

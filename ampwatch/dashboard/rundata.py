@@ -25,7 +25,7 @@ import pandas as pd
 from ..store.guard import reads
 from ..errors import RunError
 from ..store.reader import (RunConnection, aliases_in, decode_nan_mask, event_columns, clip_threshold, effective_status,
-                            find_runs, nonfinite_counts, open_run)
+                            find_runs, has_table, nonfinite_counts, open_run)
 from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
 from ..doctor.summary import error_tail
 from ..doctor.warmup import warmup_end, warmup_in_file
@@ -263,7 +263,7 @@ def memory_data(path: Any, start: Optional[int] = None, end: Optional[int] = Non
     first step. Empty where the run read none (files before schema 7, a non-Linux host off CUDA)."""
     columns = ["step", *MEMORY_COLUMNS]
     with open_run(path) as conn:
-        known = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory'").fetchone()
+        known = has_table(conn, "memory")
         lo, hi = _range(conn, start, end)
         if not known or lo is None:
             return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
@@ -373,7 +373,7 @@ def saved_inputs(conn: Any, step: int) -> pd.DataFrame:
     """The model's inputs saved from ``step`` (schema 8, a step whose loss or outputs went NaN/Inf
     or the step a crash stopped): one row per tensor with its NaN/inf counts read from its bytes."""
     columns = ["micro-batch", "input", "dtype", "shape", "bytes", "NaN", "inf", "sha256"]
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'batches'").fetchone() is None:
+    if not has_table(conn, "batches"):
         return pd.DataFrame(columns=columns)
     rows = []
     for micro_batch, name, dtype, shape, nbytes, digest, data in conn.execute(

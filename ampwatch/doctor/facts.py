@@ -20,7 +20,7 @@ import pandas as pd
 
 from .finding import Finding
 from .warmup import nan_tail_start, warmup_of
-from ..store.reader import connect, decode_nan_mask, nonfinite_counts
+from ..store.reader import connect, decode_nan_mask, has_table, nonfinite_counts
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Warm-up and the diverged tail: one rule for the doctor, the summary and the dashboard (.warmup).
@@ -78,8 +78,7 @@ class Facts:
 
     def has_table(self, name: str) -> bool:
         """Whether the run file has table ``name`` (files of older schemas lack the newer ones)."""
-        return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                                  (name,)).fetchone() is not None
+        return has_table(self._conn, name)
 
     @cached_property
     def saved_input_steps(self) -> list[int]:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import pandas as pd
 
+from ..store.reader import open_run
 from ..store.schema import INF_BOUND, STEP_NAN_BITS
 
 # A diverged tail: NaN/inf loss on the last 3+ steps (one or two are an overflow the scaler may
@@ -32,6 +33,10 @@ NAN_TAIL_MIN = 3
 # Rows read per round by the SQL form: a warm-up halves the scale on every row, so from float32's
 # largest value it is over within 128 rows; a custom backoff_factor can make it longer.
 _SQL_CHUNK = 256
+# What a first NaN/Inf that is the warm-up's is called, where a job's is named (the CLI's summary of
+# a folder, the dashboard's Ranks page)
+WARMUP_NOTE = ("a gradient overflow during the scaler's warm-up, expected (it halves its initial scale until "
+               "the gradients fit), not a fault")
 
 
 @dataclass
@@ -137,3 +142,19 @@ def warmup_in_file(conn: sqlite3.Connection, scaler_enabled: bool) -> Optional[W
 def warmup_end(warmup: Optional[Warmup], first_step: int) -> int:
     """The first step after the warm-up, or the run's first step when it had none."""
     return warmup.end if warmup is not None else first_step
+
+
+def warmup_end_in(path: Any) -> int:
+    """The first step after the scaler's warm-up in the run file ``path`` (its first step when it
+    had none)."""
+    with open_run(path) as conn:
+        first = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0] or 0
+        return warmup_end(warmup_in_file(conn, bool(conn.run_row.get("scaler_enabled"))), first)
+
+
+def expected_overflow(path: Any, step: int, phase: Optional[str]) -> bool:
+    """Whether a first NaN/Inf at ``step`` of the run file ``path``, in ``phase`` (None: seen in the
+    steps table only, without localization), is the scaler's warm-up: a gradient overflow before
+    the warm-up ended. A forward pass or loss that went non-finite never is (a fault, not a scale
+    too high for the gradients). One read of the file's leading rows."""
+    return phase not in ("forward", "loss") and step < warmup_end_in(path)

@@ -49,9 +49,12 @@ class GradMeter:
         known_finite = None
         if self.reads_free:
             norms = torch_access.tensor_norms_read(grads, self.device)
+            known_finite = [math.isfinite(v) for v in norms]
+            if not all(known_finite):  # rare: a float32 norm overflows on finite values (see below)
+                norms = _remeasured(grads, norms)
+                known_finite = [math.isfinite(v) for v in norms]
             if inv_scale is not None:
                 norms = [v * inv_scale for v in norms]  # in float64
-            known_finite = [math.isfinite(v) for v in norms]
             self._bad = not all(known_finite)
         else:
             norms = torch_access.tensor_norms(grads, self.device)
@@ -113,6 +116,17 @@ class GradMeter:
         if math.isfinite(before) and math.isfinite(after) and after < 0.99 * before:
             return before, after
         return None
+
+
+def _remeasured(grads: list[torch.Tensor], norms: list[float]) -> list[float]:
+    """``norms`` with each non-finite one measured again in float64. A float32 norm squares and sums
+    in float32, so a gradient of finite elements above ~1.8e19 (fewer, larger ones: its sum of
+    squares past 3.4e38; a scaled gradient gets there first) reads inf and would be recorded as a
+    NaN/Inf gradient. Only on a step where some norm read non-finite; one op per such gradient, read
+    at once (reads are free here)."""
+    return [v if math.isfinite(v) else
+            float(torch.linalg.vector_norm(torch_access.local(g).detach(), dtype=torch.float64))
+            for g, v in zip(grads, norms)]
 
 
 def segments(meter: GradMeter) -> list[tuple[str, Any]]:

@@ -67,8 +67,12 @@ class PackReader:
 
     def __init__(self, param_names: list[str], param_dtypes: list[str],
                  module_ids: list[int], module_names: list[str], layer_every: int,
-                 tied: Optional[dict[int, list[tuple[int, str]]]] = None) -> None:
+                 tied: Optional[dict[int, list[tuple[int, str]]]] = None,
+                 scaler_checked: frozenset = frozenset()) -> None:
         self.param_names = param_names
+        # parameters whose gradients the GradScaler checks element by element (the optimizer's):
+        # a step it did not skip had every element of them finite
+        self.scaler_checked = scaler_checked
         self.tied = tied or {}  # parameter id -> [(owning module index, name there)] (runinfo.tied_owners)
         self.param_dtypes = param_dtypes
         self.module_ids = module_ids
@@ -122,8 +126,11 @@ class PackReader:
 
         bad_params = [] if finite else [i for i, n in zip(pack.norm_ids, norms) if not math.isfinite(n)]
         detail = self._details(pack, seg("detail"))
+        overflowed = self._overflowed(pack, bad_params, norms, detail, scale is not None and not skipped)
         if (pack.step % self.layer_every == 0 or skipped or bad_params) and norms:
-            out.layers.extend(self._layer_rows(pack, norms, detail))
+            out.layers.extend(self._layer_rows(pack, norms, detail, overflowed))
+        if overflowed:
+            bad_params = [pid for pid in bad_params if pid not in overflowed]
         analysis = _Analysis(self, pack)
         for pid in bad_params:
             amax, nan, inf = detail.get(pid, (None, None, None, None, None))[:3]
@@ -165,10 +172,33 @@ class PackReader:
         loc = analysis.loc
         return loc["aliases"] if loc else {}
 
+    def _overflowed(self, pack: StepPack, bad_params: list[int], norms: list[float], detail: dict[int, tuple],
+                    scaler_stepped: bool) -> frozenset:
+        """Parameters among ``bad_params`` whose norm is inf though every element of their gradient
+        is finite: a float32 norm squares and sums in float32, and overflows on elements above
+        ~1.8e19 (where the norm is measured on the device, it is not measured again). Known from the
+        step's detail (counted: no NaN, no inf, a finite max) or from the GradScaler, which checked
+        every element of the optimizer's gradients and stepped (``scaler_stepped``). Not a NaN/Inf
+        gradient: its layer row says inf with no non-finite element, and no event is written."""
+        if not bad_params:
+            return frozenset()
+        found = set()
+        for pid in bad_params:
+            if norms[pack.norm_ids.index(pid)] != math.inf:  # a NaN norm has a NaN element
+                continue
+            amax, nan, inf = detail.get(pid, (None, -1.0, -1.0))[:3]
+            if nan is not None and nan >= 0:  # counted (-1: not counted, on the device path)
+                if nan + inf == 0 and amax is not None and math.isfinite(amax):
+                    found.add(pid)
+            elif scaler_stepped and pid in self.scaler_checked:
+                found.add(pid)
+        return frozenset(found)
+
     def _details(self, pack: StepPack, flat: list[float]) -> dict[int, tuple]:
         return {pid: tuple(flat[5 * i:5 * i + 5]) for i, pid in enumerate(pack.detail_ids)}
 
-    def _layer_rows(self, pack: StepPack, norms: list[float], detail: dict[int, tuple]) -> list[tuple]:
+    def _layer_rows(self, pack: StepPack, norms: list[float], detail: dict[int, tuple],
+                    overflowed: frozenset = frozenset()) -> list[tuple]:
         """Column-wise with comprehensions: this loop is most of the writer's time (bench/storage.py)."""
         ids, step = pack.norm_ids, pack.step
         if detail and len(detail) == len(ids):
@@ -179,7 +209,10 @@ class PackReader:
                          for a, b, n in zip(nan, inf, norms)]
             zero_frac = [z / (pack.param_numel.get(pid) or 1) for z, pid in zip(zero, ids)]
         else:
-            amax = pnorm = nonfinite = zero_frac = [None] * len(ids)  # type: ignore[assignment]
+            amax = pnorm = zero_frac = [None] * len(ids)  # type: ignore[assignment]
+            nonfinite = [None] * len(ids)
+        if overflowed:  # an inf norm of finite elements (_overflowed): none non-finite
+            nonfinite = [0 if pid in overflowed else v for pid, v in zip(ids, nonfinite)]
         bits = LAYER_NAN_BITS
         mask = [(bits["grad_norm"] if n != n else 0) | (bits["grad_amax"] if a is not None and a != a else 0)
                 | (bits["param_norm"] if p is not None and p != p else 0)

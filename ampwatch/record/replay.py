@@ -122,6 +122,9 @@ class Replayer:
         self.replaying = False
         self.broken = False  # this step's references are incomplete: it cannot be replayed
         self.forward_bad: list[int] = []  # the last replay's micro-batches whose outputs were non-finite
+        # the last replay made finite gradients whose float32 norm overflows (see replay): what
+        # made the step look bad, reproduced, with nothing non-finite to localize
+        self.norm_overflow = False
         self._device_rng = getattr(torch, device.type, None) if device.type != "cpu" else None
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
         # kept eager under torch.compile(model): the root's hooks run outside its graph. The
@@ -199,7 +202,12 @@ class Replayer:
         running anything, when a kept input was changed in place since its forward.
         ``batches``: an earlier step's (:meth:`hand_over`) instead of this step's. ``grads_out``: a
         list as long as ``params``, filled with each parameter's replayed gradient, summed over the
-        micro-batches (None where none came), for the detail of a step whose ``.grad`` is gone."""
+        micro-batches (None where none came), for the detail of a step whose ``.grad`` is gone.
+        A replay that does not reproduce the skip but makes a gradient whose float32 norm overflows
+        on finite elements (above ~1.8e19; without a scaler, that inf norm is what checked the step
+        bad) sets :attr:`norm_overflow` (one more reduction and read per micro-batch, on such a
+        replay only; a micro-batch's own gradients, not their sum over the step)."""
+        self.norm_overflow = False
         if batches is None:
             if self.broken:
                 return False
@@ -241,6 +249,9 @@ class Replayer:
                             grads += [p.grad for p in trainable if p.grad is not None]  # inside checkpoints
                             if grads and not reproduced:
                                 reproduced = not _finite(grads)
+                                if not (reproduced or self.norm_overflow):
+                                    self.norm_overflow = not bool(
+                                        torch.isfinite(torch_access.tensor_norms(grads, self.device)).all())
                             del grads, leaves
                         del output, outputs, pairs
             finally:

@@ -187,9 +187,11 @@ class Watch:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         create_run_file(str(self.path), info, tensors)
         tied = tied_owners(uncompiled(self.model), self._params, module_names) if module_names else {}
+        checked = frozenset(self._param_index[id(p)] for group in self.optimizer.param_groups
+                            for p in group["params"] if id(p) in self._param_index) if self.scaler is not None else frozenset()
         packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
                            [len(names) + i for i in range(len(module_names))], module_names,
-                           self.options["layer_every"], tied)
+                           self.options["layer_every"], tied, scaler_checked=checked)
         mirror = None
         if self.options["mirror"] is not None and self._open_mirror is not None:
             # the tracker is fed from the writer thread; the faces hand us how to open it
@@ -580,6 +582,12 @@ class Watch:
         if reproduced and self.replayer.forward_bad:
             kept = batches if batches is not None else self.replayer.batches
             self._save_inputs([(i, kept[i].args, kept[i].kwargs) for i in self.replayer.forward_bad if i < len(kept)])
+        if not reproduced and self.replayer.norm_overflow:
+            # reproduced as what it was: finite gradients whose float32 norm overflows
+            # (PackReader._overflowed), nothing non-finite to localize and no transient fault
+            self.observer.discard()
+            self.observer.set_observing(False)
+            return
         if not reproduced:
             self.observer.discard()  # the replay's values are not this step's
             self.replayer.remove()

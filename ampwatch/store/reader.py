@@ -104,6 +104,13 @@ def check_schema(conn: sqlite3.Connection, p: Path) -> None:
                        f"up to {SCHEMA_VERSION}): upgrade ampwatch (pip install -U ampwatch)")
 
 
+def has_table(conn: sqlite3.Connection, name: str) -> bool:
+    """Whether the run file open on ``conn`` has table ``name``. Files of older schemas lack the
+    tables added since (``memory``: schema 7), and a reader never migrates them: every reader of
+    such a table asks here first."""
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
 def pid_alive(pid: Optional[int]) -> bool:
     if not isinstance(pid, int) or pid <= 0:  # 0 or negative would ask about a process group
         return False
@@ -296,7 +303,7 @@ class Run:
         device_allocated, device_reserved``; NaN where not read; empty for older files."""
         columns = ["step", "host_rss", "device_allocated", "device_reserved"]
         with guard(self.path), connect(self.path) as conn:
-            known = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory'").fetchone()
+            known = has_table(conn, "memory")
         if not known:
             return pd.DataFrame({c: pd.Series(dtype="int64" if c == "step" else "float64") for c in columns})
         return self._table("memory", f"SELECT {', '.join(columns)} FROM memory ORDER BY step",
@@ -309,7 +316,7 @@ class Run:
         (False: over the budget, listed without its bytes). The bytes: :meth:`batch`."""
         columns = ["step", "micro_batch", "name", "dtype", "shape", "nbytes", "sha256"]
         with guard(self.path), connect(self.path) as conn:
-            known = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'batches'").fetchone()
+            known = has_table(conn, "batches")
         if not known:
             empty = pd.DataFrame({c: pd.Series(dtype="int64" if c in ("step", "micro_batch", "nbytes") else "object")
                                   for c in columns})

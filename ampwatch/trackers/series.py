@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from ..doctor.finding import FP16_MAX
 from ..doctor.numerics import FP32_MODULE_TYPES
+from ..store.reader import has_table
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 PREFIX = "amp/"
@@ -124,7 +125,7 @@ def read_points(conn: sqlite3.Connection, chunk_steps: int = 20_000) -> Iterator
     lo, hi = conn.execute("SELECT MIN(step), MAX(step) FROM steps").fetchone()
     if lo is None:
         return
-    has_memory = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'memory'").fetchone()
+    has_memory = has_table(conn, "memory")
     for start in range(lo, hi + 1, chunk_steps):
         bounds = (start, start + chunk_steps)
         steps = conn.execute(f"SELECT {STEP_COLUMNS} FROM steps WHERE step >= ? AND step < ? ORDER BY step",

@@ -5,6 +5,7 @@ import formatting
 import loaders
 import state
 from ampwatch.dashboard import figures
+from ampwatch.doctor.warmup import WARMUP_NOTE
 
 path, key, row = state.page_run()
 folder = st.session_state["_folder"]
@@ -53,8 +54,7 @@ if view.first:
                 + (f", micro-batch {fst['micro_batch']}" if fst["micro_batch"] is not None else "")
                 + (f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} at that step)"
                    if others else "")
-                + (": a gradient overflow during the scaler's warm-up, expected (it halves its initial scale"
-                   " until the gradients fit), not a fault" if fst.get("warmup") else ""))
+                + (f": {WARMUP_NOTE}" if fst.get("warmup") else ""))
 st.dataframe(view.ranks, hide_index=True, key="ranks_table", column_config={
     "first_nonfinite_step": st.column_config.NumberColumn(
         "first NaN/inf step", help="any NaN/Inf, the scaler's warm-up included (the Runs page counts from its end)"),
