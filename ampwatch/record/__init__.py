@@ -7,7 +7,8 @@ grads.py (gradient norms and detail) · observe.py and slots.py (module observat
 one stats buffer, maxima traced into compiled graphs, the ``ampwatch::observe`` and
 ``ampwatch::keep_max`` ops) · traced_aliases.py (a compiled observed forward observes each
 tensor once, as eager does) · backward.py
-(when a backward pass ends) · replay.py (localizing a skipped step by replaying it) ·
+(when a backward pass ends) · replay.py (localizing a skipped step by replaying it) · batches.py
+(a bad step's inputs, saved to run it again) ·
 skipflag.py and deferred.py (a fused step's skip, read late) · kernelskip.py (a bf16 step's check
 as a fused optimizer's skip flag) · keptweights.py (a bf16 step's weights, kept for a late check) ·
 recompute.py (the fp32 counterfactual) · step.py (one flat tensor and one transfer per step) ·
