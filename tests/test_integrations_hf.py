@@ -271,7 +271,10 @@ def test_a_raising_train_closes_the_run_as_crashed(tmp_path, where):
     run = ampwatch.load(tmp_path / "run.sqlite")
     assert run.info["status"] == "crashed"
     assert f"{where} failed at step 3" in run.info["error"]
-    assert len(run.steps) == 3
+    if where == "forward":  # the step it raised in, as far as it got (record/unfinished.py)
+        assert len(run.steps) == 4 and run.notices[["step", "code"]].values.tolist() == [[3, "step-unfinished"]]
+    else:  # raised after its step ended
+        assert len(run.steps) == 3 and run.notices.empty
 
 
 def test_reused_trainer_and_a_second_trainer_give_separate_correct_runs(tmp_path):

@@ -171,7 +171,9 @@ def test_an_exception_in_fit_closes_the_run_as_crashed(tmp_path):
         make_trainer([AmpwatchCallback(str(tmp_path / "run.sqlite"))]).fit(model, loader())
     run = ampwatch.load(tmp_path / "run.sqlite")
     assert run.info["status"] == "crashed" and "failed at batch 9" in run.info["error"]
-    assert len(run.steps) == 4
+    # four whole steps, and the fifth as far as it got (its first micro-batch: record/unfinished.py)
+    assert len(run.steps) == 5 and run.notices[["step", "code"]].values.tolist() == [[4, "step-unfinished"]]
+    assert run.steps["loss"].iloc[:4].notna().all()
 
 
 def test_the_sample_run_records_through_the_callback(tmp_path):

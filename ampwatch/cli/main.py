@@ -132,7 +132,8 @@ def _summary_text(s: dict, file: str) -> str:
     """``file``: the run file's name; a run's name need not be its file's (a renamed copy)."""
     return "\n".join([
         f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})  file {file}",
-        f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)",
+        f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)"
+        + (f"; {s['unfinished_text']}" if s.get("unfinished_text") else ""),
         f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}",
         f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}",
         _nonfinite_line(s),
@@ -146,8 +147,10 @@ def _nonfinite_line(s: dict) -> str:
     if s["first_nonfinite_step"] is None:
         return "nonfinite none"
     loss = s["first_nonfinite_loss_step"]
+    unknown = (f"; step {s['unfinished_step']}'s was not recorded"
+               if s.get("unfinished_step") is not None and not s.get("unfinished_loss") else "")
     return (f"nonfinite first at step {s['first_nonfinite_step']}  "
-            + (f"(loss first NaN/inf at step {loss})" if loss is not None else "(the loss stayed finite)"))
+            + (f"(loss first NaN/inf at step {loss})" if loss is not None else f"(the loss stayed finite{unknown})"))
 
 
 def _memory_lines(s: dict) -> list[str]:

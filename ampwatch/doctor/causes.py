@@ -24,7 +24,11 @@ CAUSES = ("run-crashed", "run-interrupted", "nonfinite-origin", "recurring-overf
 EXPLAINED_BY = {"no-steps": ("run-crashed", "run-interrupted"), "run-interrupted": ("memory-growth",),
                 "grad-underflow": ("scale-collapse",),
                 "divergence": ("nonfinite-origin",),
-                "scale-falling": ("nonfinite-origin", "recurring-overflow", "scale-collapse")}
+                "scale-falling": ("nonfinite-origin", "recurring-overflow", "scale-collapse"),
+                "run-crashed": ("nonfinite-origin",)}
+# ... and only while it lasts: a crash inside the steps of a NaN/Inf (a loop that raises on a NaN
+# loss, its last step recorded as far as it got) follows from it; one long after it need not
+WITHIN = ("run-crashed",)
 CONSEQUENCES = ("nonfinite-origin", "recurring-overflow", "scale-collapse", "divergence", "grad-underflow", "late-skips",
                 "loss-spike", "grad-norm-explosion", "no-steps", "scale-falling", "run-interrupted", "run-crashed")
 
@@ -46,7 +50,8 @@ def _cause_of(f: Finding, by_id: dict[str, Finding], facts: Facts) -> Optional[s
         same_origin = claim is not None and facts.claims.get(cause) == claim
         if same_origin and _rank(by_id[cause]) < _rank(f):
             candidates.append(by_id[cause])
-        elif cause in EXPLAINED_BY.get(f.id, ()) and by_id[cause].steps[0] <= f.steps[0]:
+        elif (cause in EXPLAINED_BY.get(f.id, ()) and by_id[cause].steps[0] <= f.steps[0]
+              and (f.id not in WITHIN or f.steps[0] <= by_id[cause].steps[1])):
             candidates.append(by_id[cause])  # e.g. an origin born before the divergence began
     return min(candidates, key=_rank).id if candidates else None
 

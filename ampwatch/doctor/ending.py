@@ -20,6 +20,8 @@ from ..store.reader import pid_alive
 STALL_FACTOR = 20.0
 STALL_MIN_S = 60.0
 STALL_RECENT = 100
+# the notice on a step the run closed inside, written as far as it got (ampwatch/record/unfinished.py)
+UNFINISHED = "step-unfinished"
 
 
 def traceback_tail(error: Optional[str], lines: int = 3) -> list[str]:
@@ -113,6 +115,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def ended_inside(facts: Facts) -> bool:
+    """Whether the run's last recorded step did not end: it closed inside it (a loop that raised
+    on a NaN loss), and the recorder wrote the step as far as it got (notice ``step-unfinished``)."""
+    n = facts.notices
+    return bool(len(facts.steps) and len(n)
+                and ((n["code"] == UNFINISHED) & (n["step"] == facts.last_step)).any())
+
+
 def run_crashed(facts: Facts) -> list[Finding]:
     """Error: the training loop raised (status crashed): the exception's last line and its step."""
     if facts.info.get("status") != "crashed":
@@ -123,6 +133,10 @@ def run_crashed(facts: Facts) -> list[Finding]:
         facts.claims["run-crashed"] = ("memory",)  # memory-growth, when found, explains it
     step = facts.last_step + 1 if len(facts.steps) else 0
     done = f"after {counted(len(facts.steps), 'recorded step')}" if len(facts.steps) else "before its first recorded step"
+    if ended_inside(facts):  # its last row is the step it raised in, recorded as far as it got
+        step = facts.last_step
+        done = (f"in step {step:,}, recorded as far as it got, after {counted(len(facts.steps) - 1, 'finished step')}"
+                if len(facts.steps) > 1 else f"in step {step:,}, its first, recorded as far as it got")
     return [facts.finding(
         "run-crashed", "error", f"The run crashed at step {step:,}: {last}", step, step,
         f"status crashed {done}; the traceback ends: " + " | ".join(t.strip() for t in tail),

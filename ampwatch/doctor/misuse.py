@@ -121,7 +121,8 @@ def clip_evidence(facts: Facts, noticed: list[int], once: bool = False) -> tuple
 
 
 # notices that are the recorder's own notes about the run, not a misuse of the loop's: info
-_RECORDER_NOTES = ("replay-not-reproduced", "skip-read-within-step", "check-read-before-update")
+_RECORDER_NOTES = ("replay-not-reproduced", "skip-read-within-step", "check-read-before-update",
+                   "step-unfinished")
 
 
 def misuse_notices(facts: Facts) -> list[Finding]:
@@ -147,6 +148,10 @@ def misuse_notices(facts: Facts) -> list[Finding]:
                                           "waiting before it. With another optimizer, leave the device "
                                           "room for a copy of the weights (the notice says how much) and "
                                           "keep_weights=True: the check is then read a step late.",
+              # not a misuse: the run closed inside a step (a loop that raised on a NaN loss)
+              "step-unfinished": "Nothing to change for the recording: the step's row holds its loss, "
+                                 "gradient norms and module values as far as the step got, so the "
+                                 "findings at that step say what went wrong in it.",
               # not a misuse either: the recorder failed and stopped (training went on)
               "recording-stopped": "Training went on; this file ends at that step. Unless the message names "
                                    "something your loop passed, it is an ampwatch bug: please report the "

@@ -8,7 +8,8 @@ import pandas as pd
 
 from ..store.guard import reads
 from ..store.reader import connect
-from .ending import traceback_tail
+from ..store.schema import STEP_NAN_BITS
+from .ending import UNFINISHED, traceback_tail
 from .warmup import warmup_end, warmup_in_file
 
 
@@ -16,18 +17,21 @@ def _finite(values: pd.Series) -> pd.Series:
     return values[np.isfinite(values.astype(float))]
 
 
-def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame], warm: int) -> Optional[int]:
+def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame], warm: int,
+                         measured: Optional[dict[str, np.ndarray]] = None) -> Optional[int]:
     """First step whose loss or grad norm is NaN/inf, or that has a non-finite event, not counting
     gradient overflow during the scaler's warm-up (steps before ``warm``, :mod:`.warmup`): that is
     normal.
 
-    A column that is empty for the whole run (no loss logged) is not evidence of NaN.
+    A column that is empty for the whole run (no loss logged) is not evidence of NaN, nor is a value
+    not measured where ``measured`` (column -> per row, :func:`measured_cells`) says so.
     """
     candidates = []
     for col in ("loss", "grad_norm"):
         values = steps[col].astype(float) if len(steps) else pd.Series(dtype=float)
         if values.notna().any():
-            bad = steps["step"][~np.isfinite(values) & ((steps["step"] >= warm) | (col == "loss"))]
+            seen = measured[col] if measured is not None else True
+            bad = steps["step"][~np.isfinite(values) & seen & ((steps["step"] >= warm) | (col == "loss"))]
             if len(bad):
                 candidates.append(int(bad.min()))
     if events is not None and len(events):
@@ -37,13 +41,25 @@ def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame], wa
     return min(candidates) if candidates else None
 
 
-def _first_nonfinite(steps: pd.DataFrame, col: str) -> Optional[int]:
+def _first_nonfinite(steps: pd.DataFrame, col: str, measured: dict[str, np.ndarray]) -> Optional[int]:
     if not len(steps):
         return None
     values = steps[col].astype(float)
     # as in first_nonfinite_step: a column never measured (no loss logged) is not evidence of NaN
-    bad = steps["step"][~np.isfinite(values)] if values.notna().any() else []
+    bad = steps["step"][~np.isfinite(values) & measured[col]] if values.notna().any() else []
     return int(bad.min()) if len(bad) else None
+
+
+def measured_cells(run: Any, steps: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Per row of ``steps`` (as :attr:`ampwatch.Run.steps`, where a NULL reads NaN like a NaN),
+    whether its loss and grad norm were measured: a value, or NULL with its NaN bit. A step the
+    run ended in before its loss was known (a ``step-unfinished`` notice) holds NULL there."""
+    if not len(steps):
+        return {col: np.zeros(0, dtype=bool) for col in STEP_NAN_BITS}
+    # by step: a live run may have grown since ``steps`` was read
+    read = run.query("SELECT step, nan_mask FROM steps WHERE step <= ?", (int(steps["step"].iloc[-1]),))
+    mask = read.set_index("step")["nan_mask"].reindex(steps["step"]).fillna(0).to_numpy(dtype=np.int64)
+    return {col: steps[col].notna().to_numpy() | ((mask & bit) != 0) for col, bit in STEP_NAN_BITS.items()}
 
 
 @reads
@@ -54,31 +70,46 @@ def summarize(run: Any) -> dict[str, Any]:
     with connect(run.path) as conn:
         warm = warmup_end(warmup_in_file(conn, info["scaler_enabled"]), int(steps["step"].iloc[0]) if n else 0)
     skipped = int(steps["skipped"].sum()) if n else 0
-    loss = steps["loss"] if n else pd.Series(dtype=float)
+    measured = measured_cells(run, steps)
+    loss = steps["loss"][measured["loss"]] if n else pd.Series(dtype=float)
     finite_loss = _finite(loss)
     scale = steps["loss_scale"].dropna() if n else pd.Series(dtype=float)
     norms = _finite(steps["grad_norm"].dropna()) if n else pd.Series(dtype=float)
     return {
         "name": info["name"], "status": info["status"], "steps": n,
         "skipped": skipped, "skipped_pct": 100.0 * skipped / n if n else 0.0,
-        "loss_first": float(loss.iloc[0]) if n else None,
-        "loss_last": float(loss.iloc[-1]) if n else None,
+        "loss_first": float(loss.iloc[0]) if len(loss) else None,
+        "loss_last": float(loss.iloc[-1]) if len(loss) else None,
         "loss_min": float(finite_loss.min()) if len(finite_loss) else None,
         "scale_start": float(scale.iloc[0]) if len(scale) else None,
         "scale_min": float(scale.min()) if len(scale) else None,
         "scale_final": float(scale.iloc[-1]) if len(scale) else None,
-        "first_nonfinite_step": first_nonfinite_step(steps, run.events, warm),
+        "first_nonfinite_step": first_nonfinite_step(steps, run.events, warm, measured),
         "warmup_end_step": warm,
         # the loss alone: gradient overflow during the scaler's warm-up is normal, a NaN loss is not
-        "first_nonfinite_loss_step": _first_nonfinite(steps, "loss"),
+        "first_nonfinite_loss_step": _first_nonfinite(steps, "loss", measured),
         "grad_norm_p50": float(norms.quantile(0.5)) if len(norms) else None,
         "grad_norm_p90": float(norms.quantile(0.9)) if len(norms) else None,
         "grad_norm_p99": float(norms.quantile(0.99)) if len(norms) else None,
         "grad_norm_max": float(norms.max()) if len(norms) else None,
         "amp_dtype": info.get("amp_dtype"), "device": info.get("device"),
         "error_tail": error_tail(info) if info.get("status") == "crashed" else [],
+        **_unfinished(run, steps, measured),
         **_memory(run.memory),
     }
+
+
+def _unfinished(run: Any, steps: pd.DataFrame, measured: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The last step when the run closed inside it (notice ``step-unfinished``): ``unfinished_step``,
+    ``unfinished_text`` (how far it got, the notice's first clause) and ``unfinished_loss`` (whether
+    its loss was known by then); None, None, None otherwise."""
+    n = run.notices
+    last = int(steps["step"].iloc[-1]) if len(steps) else None
+    hit = n[(n["code"] == UNFINISHED) & (n["step"] == last)] if len(n) and last is not None else n.iloc[:0]
+    if not len(hit):
+        return {"unfinished_step": None, "unfinished_text": None, "unfinished_loss": None}
+    return {"unfinished_step": last, "unfinished_text": str(hit["message"].iloc[0]).split(";")[0],
+            "unfinished_loss": bool(measured["loss"][-1])}
 
 
 def _memory(memory: pd.DataFrame) -> dict[str, Optional[float]]:

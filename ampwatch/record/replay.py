@@ -292,6 +292,27 @@ class Replayer:
             handle.remove()
         return got[0] if got else None
 
+    def forwards_again(self) -> bool:
+        """Run this step's kept micro-batches' forwards again, without grad, for the hooks on (the
+        observer's) to see: a step that ends unfinished (the loop raised on a NaN loss before its
+        backward) between ``layer_every`` steps, whose module values nobody observed. RNG states
+        and buffers are left as they were; compiled code runs eagerly. False when there is nothing
+        to run or it cannot run again (a micro-batch's input changed in place, or its forward raises)."""
+        if self.broken or not self.batches:
+            return False
+        try:
+            for index, batch in enumerate(self.batches):
+                batch.check_unchanged(index)
+            with self._running_again():
+                for batch in self.batches:
+                    self._set_rng(batch.rng)
+                    enabled, dtype = batch.autocast
+                    with torch.no_grad(), run_eagerly(), torch.autocast(self.device.type, dtype=dtype, enabled=enabled):
+                        self.root(*batch.args, **batch.kwargs)
+        except Exception:  # the user's model, run again after its step failed: no values, not a failure
+            return False
+        return True
+
     @contextlib.contextmanager
     def _running_again(self) -> Iterator[None]:
         """For a run of kept micro-batches: the buffers (BatchNorm's running stats) and RNG states

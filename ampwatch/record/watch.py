@@ -33,7 +33,7 @@ from ..store.rows import Rows
 from ..store.writer import RunWriter
 from .grads import GradMeter
 from .memory import memory_sampler
-from . import copies, deferred, fp8, kernelskip, keptweights, replay
+from . import copies, deferred, fp8, kernelskip, keptweights, replay, unfinished
 from .batches import BatchSaver, RootInputs, bad_losses
 from .observe import ModuleObserver, never_a_frame_of_its_own
 from .scaler import ScalerHooks
@@ -846,11 +846,17 @@ class Watch:
                 self.state.metrics[key] = value
 
     def close(self, *, status: str = "finished", error: Optional[str] = None) -> None:
-        """Flush, mark the run ended and remove every hook and patch. Idempotent."""
+        """Flush, mark the run ended and remove every hook and patch. Idempotent.
+
+        A step the loop did not end (it raised inside it: a NaN loss checked before ``backward``)
+        is written first, as far as it got, with a ``step-unfinished`` notice (unfinished.py); that
+        may read device values (sync) and run the step's forward again, here only."""
         if self.closed:
             return
         if getattr(self, "_held", None) is not None:  # the last step: settled (replayed) now, also on a
             self.call_guarded(deferred.settle, self)   # crash: a loop may raise on the NaN it just saw
+        if getattr(self, "writer", None) is not None:  # the step it raised in, as far as it got
+            self.call_guarded(unfinished.close_step, self, status == "crashed")
         self._held = self._kept_weights = self._hold_weights = None  # the weights' copy goes
         if getattr(self, "_kernel_skip", None) is not None:  # its step() raised: no flag left behind
             self._kernel_skip.withdraw()
