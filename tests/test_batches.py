@@ -233,7 +233,11 @@ def test_a_loop_that_raises_on_its_nan_loss_keeps_that_steps_inputs(tmp_path, re
     truth = (tmp_path / "crash.sqlite.truth").read_bytes()
     saved = run.batches
     assert list(saved["step"]) == [6] and saved["sha256"].iloc[0] == hashlib.sha256(truth).hexdigest()
-    crashed = [f for f in ampwatch.diagnose(run) if f.id == "run-crashed"][0]
+    findings = ampwatch.diagnose(run)
+    # the batch is the root cause, and the crash (the loop's own raise) follows from it
+    assert findings[0].title == "NaN in the model's input batch at step 6"
+    crashed = [f for f in findings if f.id == "run-crashed"][0]
+    assert crashed.cause == "nonfinite-origin" and crashed.steps == (6, 6)
     assert "args[0] holds 1 NaN/inf of 32 values" in crashed.advice
     assert "ampwatch batch crash.sqlite --step 6 --out step6.pt" in crashed.advice
     if mode == "compile":

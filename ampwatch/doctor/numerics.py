@@ -248,6 +248,15 @@ def fp32_verdict(e: pd.Series, dtype: str, cls: Optional[str] = None) -> tuple[s
 def nonfinite_origin(facts: Facts) -> list[Finding]:
     """Error: the first step where NaN/Inf was born (outside warm-up): module, phase, kind."""
     ev = _serious_events(facts)
+    # a batch that brought NaN/Inf in: no module is its origin (their inputs were not finite), so
+    # no event is serious; the saved bytes say it, before any origin they may hide
+    brought = [s for s in facts.saved_input_steps if facts.nonfinite_inputs(s)]
+    if brought and (not len(ev) or brought[0] <= int(ev["step"].min())):
+        first = brought[0]
+        later = facts.events[facts.events["step"] >= first]["step"] if len(facts.events) else []
+        bad_steps = sorted(set(int(s) for s in later) | {first})
+        facts.claims["nonfinite-origin"] = ("<inputs>", "forward")
+        return [_input_origin(facts, first, bad_steps, facts.nonfinite_inputs(first))]
     if not len(ev):
         return []
     first = int(ev["step"].min())
@@ -277,9 +286,6 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     where = (f"; made in {module}'s own code (between its children), flowing into {into}"
              if isinstance(into, str) else "")
     facts.claims["nonfinite-origin"] = (module, phase)
-    bad_inputs = facts.nonfinite_inputs(first)
-    if bad_inputs:
-        return [_input_origin(facts, first, bad_steps, bad_inputs)]
     ignored = facts.ignored_labels(first) if e["kind"] == "nan" and phase in ("loss", "forward") else []
     if ignored:
         return [_no_target_tokens(facts, first, bad_steps, ignored)]
