@@ -11,10 +11,13 @@ Nothing is done on a healthy step. With replay (an accelerator and a GradScaler,
 accelerator) the step's inputs are the replay's kept references, and the replay tells which
 micro-batches made non-finite outputs (a read per micro-batch of a replayed step). Where reads are
 free (the CPU), and where every step is observed (DDP, FSDP, ``replay=False``), a pre-hook on the
-root keeps a reference to each micro-batch's arguments until the step ends (no copy), and the
-step's losses say which went bad: read for free on the CPU, and elsewhere only on a step the
-scaler skipped (the host knows that already). Gradient overflows with a finite loss (the scaler
-probing its ceiling) save nothing: they are the scale's doing, not the batch's.
+root keeps a reference to each micro-batch's arguments until the step ends (no copy; on a device
+the latest only, as holding the others would hold device memory the loop had freed), and the
+step's losses say which went bad: read for free on the CPU (the pack's loss), and elsewhere only
+on a step the scaler skipped (the host knows that already). A run that crashes inside a step
+saves every micro-batch kept for it: a loop that raises on the NaN loss it saw raises before the
+scaler sees that loss. Gradient overflows with a finite loss (the scaler probing its ceiling)
+save nothing: they are the scale's doing, not the batch's.
 
 Budget: the first :data:`MAX_STEPS` such steps, at most :data:`STEP_BYTES` a step and
 :data:`RUN_BYTES` a run; a tensor beyond it is listed (name, dtype, shape) without its bytes.
