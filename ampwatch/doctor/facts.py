@@ -40,6 +40,7 @@ class Facts:
         self.info = run.info
         self._run, self._conn = run, conn
         self._norms: dict[tuple[str, int], dict[str, list[tuple[int, float]]]] = {}
+        self._nonfinite_inputs: dict[int, list] = {}  # step -> its saved inputs holding NaN/inf
         self.steps, self.has_loss = self._read_steps()
         self.first_step = int(self.steps["step"].min()) if len(self.steps) else 0
         self.last_step = int(self.steps["step"].max()) if len(self.steps) else 0
@@ -108,8 +109,10 @@ class Facts:
 
     def nonfinite_inputs(self, step: int) -> list[tuple[str, int, int, int, int]]:
         """The saved inputs of ``step`` that hold NaN or inf: ``(name, micro_batch, nan, inf,
-        numel)`` each, read from their bytes (float16/32/64 and bfloat16)."""
-        found = []
+        numel)`` each, read from their bytes (float16/32/64 and bfloat16); read once a step."""
+        if step in self._nonfinite_inputs:
+            return self._nonfinite_inputs[step]
+        found = self._nonfinite_inputs[step] = []
         for name, micro_batch, dtype, data in self._saved(step):
             counts = nonfinite_counts(dtype, data)
             if counts is not None and (counts[0] or counts[1]):
