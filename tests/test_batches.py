@@ -392,3 +392,27 @@ def test_a_nan_loss_outside_the_model_with_zero_gradients_reads_as_a_mean_over_n
     first = ampwatch.diagnose(run)[0]
     assert first.title == "Loss became NaN at step 3 while its gradients were all zero"
     assert "nothing skipped the step" in first.evidence
+
+
+def test_a_recording_failure_mid_forward_leaves_the_root_hooks_harmless(tmp_path, record_path):
+    """A hook fails inside a forward (an internal bug): the watch stops recording and removes its
+    hooks, among them the root's pre-hooks that keep inputs, which torch still calls in that same
+    forward, then without kwargs. Training goes on with the numbers it has without ampwatch."""
+    from helpers.loops import amp_step, data, mlp
+    torch.manual_seed(0)
+    model, reference = mlp(), mlp()
+    reference.load_state_dict(model.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
+    with pytest.warns(RuntimeWarning, match="stopped recording"):
+        with ampwatch.attach(model, opts[0], scalers[0], path=str(tmp_path / "r.sqlite"),
+                             layer_every=1) as watch:  # every step observed: the hooks run
+            for step in range(5):
+                if step == 2:
+                    watch.observer._batch.add = lambda *a: 1 / 0
+                    watch.observer._batch.reduce_now = lambda *a: 1 / 0
+                x, y = data(step)
+                amp_step(model, opts[0], scalers[0], x, y)
+                amp_step(reference, opts[1], scalers[1], x, y)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)

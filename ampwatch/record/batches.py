@@ -116,8 +116,10 @@ class RootInputs:
         # run eagerly under torch.compile(model), outside its graph, as the replay's root hook
         self._handle = root.register_forward_pre_hook(ours(torch._dynamo.disable(self._keep)), with_kwargs=True)
 
-    def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+    def _keep(self, module: Any, args: Any, kwargs: Any = None) -> None:
+        # ``kwargs`` missing: removed while the forward that calls it had begun (a recording failure
+        # in a hook before it; torch then calls it as a hook without kwargs): nothing to keep
+        if kwargs is None or not (module.training and torch.is_grad_enabled()):
             return
         if not self._keep_all or self.count >= 1024:  # 1024: forwards with grad but no step (an eval in train mode)
             self.calls.clear()

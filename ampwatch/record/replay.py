@@ -143,8 +143,10 @@ class Replayer:
         if rng[1] is not None:
             self._device_rng.set_rng_state(rng[1])
 
-    def _keep(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self.replaying or self.broken or not (module.training and torch.is_grad_enabled()):
+    def _keep(self, module: Any, args: Any, kwargs: Any = None) -> None:
+        # ``kwargs`` missing: removed while the forward that calls it had begun (torch then calls a
+        # hook registered with kwargs as one without): nothing to keep
+        if kwargs is None or self.replaying or self.broken or not (module.training and torch.is_grad_enabled()):
             return
         try:  # inside the user's forward: must never raise
             if len(self.batches) >= MAX_BATCHES:  # forwards with grad but no step (an eval loop in train mode)
