@@ -416,3 +416,44 @@ def test_a_recording_failure_mid_forward_leaves_the_root_hooks_harmless(tmp_path
                 amp_step(reference, opts[1], scalers[1], x, y)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+def test_an_attention_mask_of_minus_inf_is_not_blamed(tmp_path):
+    """An additive mask holds -inf on purpose (returnn#1446's pitfall): a step that goes NaN for
+    another reason must not read as 'Inf in the model's input batch'."""
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+            self.out = torch.nn.Linear(6, 3)
+
+        def forward(self, x, mask):
+            scores = (self.lin(x) + mask).softmax(-1)  # the mask's -inf gives weight 0
+            return self.out(scores * x)
+
+    torch.manual_seed(0)
+    model = Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mask = torch.zeros(6)
+    mask[4:] = float("-inf")
+    path = tmp_path / "mask.sqlite"
+    with ampwatch.attach(model, opt, torch.amp.GradScaler("cpu"), path=path, layer_every=5) as watch:
+        for step in range(6):
+            x = torch.randn(4, 6)
+            if step == 3:
+                with torch.no_grad():
+                    model.out.weight[0, 0] = float("nan")  # the fault: a weight, not the batch
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x, mask).float().pow(2).mean()
+            watch.scaler.scale(loss).backward()
+            watch.scaler.step(opt)
+            watch.scaler.update()
+            opt.zero_grad()
+            if step == 3:
+                with torch.no_grad():
+                    model.out.weight[0, 0] = 0.0
+    run = ampwatch.load(path)
+    assert 3 in set(run.batches["step"])  # the premise: the bad step's inputs, mask included, were saved
+    assert int(np.isneginf(run.batch(3)["args[1]"]).sum()) == 2
+    titles = [f.title for f in ampwatch.diagnose(run)]
+    assert not any("input batch" in t for t in titles), titles

@@ -20,7 +20,7 @@ import pandas as pd
 
 from .finding import Finding
 from .warmup import nan_tail_start, warmup_of
-from ..store.reader import connect, decode_nan_mask, has_table, nonfinite_counts
+from ..store.reader import connect, decode_nan_mask, has_table, negative_inf_count, nonfinite_counts
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
 # Warm-up and the diverged tail: one rule for the doctor, the summary and the dashboard (.warmup).
@@ -109,13 +109,15 @@ class Facts:
 
     def nonfinite_inputs(self, step: int) -> list[tuple[str, int, int, int, int]]:
         """The saved inputs of ``step`` that hold NaN or inf: ``(name, micro_batch, nan, inf,
-        numel)`` each, read from their bytes (float16/32/64 and bfloat16); read once a step."""
+        numel)`` each, read from their bytes (float16/32/64 and bfloat16); read once a step. An
+        input whose only non-finite values are -inf is left out: an additive attention mask holds
+        them on purpose."""
         if step in self._nonfinite_inputs:
             return self._nonfinite_inputs[step]
         found = self._nonfinite_inputs[step] = []
         for name, micro_batch, dtype, data in self._saved(step):
             counts = nonfinite_counts(dtype, data)
-            if counts is not None and (counts[0] or counts[1]):
+            if counts is not None and (counts[0] or counts[1] > negative_inf_count(dtype, data)):
                 found.append((name, int(micro_batch), *counts))
         return found
 

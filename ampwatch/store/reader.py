@@ -519,6 +519,16 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(_RAW_BITS.get(width, "uint8"))
 
 
+def negative_inf_count(dtype: str, data: bytes) -> int:
+    """How many of a saved input's values are -inf (an additive attention mask's legitimate
+    value, unlike NaN or +inf)."""
+    if dtype in ("float16", "float32", "float64"):
+        return int(np.isneginf(np.frombuffer(data, dtype=dtype)).sum())
+    if dtype == "bfloat16":
+        return int((np.frombuffer(data, dtype=np.uint16) == 0xFF80).sum())
+    return 0
+
+
 def nonfinite_counts(dtype: str, data: bytes) -> Optional[tuple[int, int, int]]:
     """(NaN count, inf count, elements) of a saved input's bytes (the ``batches`` table); None for
     a dtype that holds neither (integers, bool) or one read here only as bits it does not know
