@@ -271,7 +271,6 @@ def batch(path: str, step: Optional[int], micro_batch: Optional[int], out: Optio
             raise click.UsageError("--out and --micro-batch need --step: which step's inputs to write.")
         click.echo(_batches_text(run.batches, run.path.name))
         return
-    rows = run.batch_bytes(step, micro_batch)  # RunError: none saved for that step
     if out is None:
         raise click.UsageError("--step needs --out: the .pt file to write the step's inputs into.")
     target = Path(out)
@@ -282,16 +281,16 @@ def batch(path: str, step: Optional[int], micro_batch: Optional[int], out: Optio
                           "in a folder you can write to")
     import torch
     from .. import load_batch
-    tensors = load_batch(run, step, micro_batch)
+    tensors = load_batch(run, step, micro_batch)  # RunError: none saved for that step
     try:
         torch.save(tensors, target)
     except (OSError, RuntimeError) as exc:  # torch.save's own writer raises RuntimeError
         target.unlink(missing_ok=True)
         raise OutputError(f"cannot write {out!r} ({getattr(exc, 'strerror', None) or exc}): pass a file in a "
                           "folder you can write to") from None
-    mb = micro_batch if micro_batch is not None else min(int(v) for v in
-                                                           run.batches.query("step == @step")["micro_batch"])
-    left = len(rows) - len(tensors)
+    listed = run.batches.query("step == @step")  # names only: the bytes were read once, above
+    mb = micro_batch if micro_batch is not None else int(listed["micro_batch"].min())
+    left = int((listed["micro_batch"] == mb).sum()) - len(tensors)
     click.echo(f"wrote {out}: step {step} micro-batch {mb}, {len(tensors)} tensor{'s' if len(tensors) != 1 else ''}"
                + (f" ({left} listed but not saved: over the budget)" if left else "")
                + "; load with torch.load(FILE, weights_only=True)")
