@@ -589,18 +589,25 @@ def test_compare_and_ranks_tables_name_their_columns_as_the_runs_page(tmp_path):
 def test_runs_table_says_a_dash_where_nothing_went_non_finite():
     """The Runs table showed 'None' as the first NaN/inf step of a run where nothing went non-finite
     (bf16 without a scaler; an fp16 run whose only overflow was the scaler's warm-up), where its
-    other columns say '–'. Compared with the doctor's headline figures, computed from the run's
-    frames rather than the table's SQL."""
+    other columns say '–'; then, made text, the column sorted 180 before 25. It is a number column
+    now, missing cells drawn with the table's placeholder '–'. Compared with the doctor's headline
+    figures, computed from the run's frames rather than the table's SQL."""
+    import json
     from ampwatch.doctor.summary import summarize
     at = _open(SAMPLES)
     _no_failure(at)
-    shown = at.dataframe(key="runs_table").value.set_index("file")
+    runs = at.dataframe(key="runs_table")
+    shown = runs.value.set_index("file")
+    assert str(shown["first_nonfinite_step"].dtype) == "Int64"  # sorts as a number in the browser
+    assert json.loads(runs.proto.columns)["first_nonfinite_step"]["type_config"]["type"] == "number"
+    assert runs.proto.placeholder == "–"  # what a missing cell reads, not 'None'
     for name in SAMPLE_FILES:
         first = summarize(ampwatch.load(SAMPLES / name))["first_nonfinite_step"]
-        assert shown.loc[name, "first_nonfinite_step"] == ("–" if first is None else str(first)), name
-    assert shown.loc["bf16_noscaler.sqlite", "first_nonfinite_step"] == "–"
-    assert shown.loc["diverged.sqlite", "first_nonfinite_step"] == "180"
+        got = shown.loc[name, "first_nonfinite_step"]
+        assert (got is pd.NA) if first is None else got == first, name
+    assert shown.loc["bf16_noscaler.sqlite", "first_nonfinite_step"] is pd.NA
+    assert shown.loc["diverged.sqlite", "first_nonfinite_step"] == 180
     compare = _open(SAMPLES, "compare", "bf16_noscaler.sqlite")
     _no_failure(compare)
-    table = next(d.value for d in compare.dataframe if "first_nonfinite_step" in d.value.columns)
-    assert "None" not in table["first_nonfinite_step"].astype(str).tolist()
+    table = next(d for d in compare.dataframe if "first_nonfinite_step" in d.value.columns)
+    assert table.proto.placeholder == "–" and str(table.value["first_nonfinite_step"].dtype) == "Int64"

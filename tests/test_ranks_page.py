@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import plotly.io
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -108,3 +109,29 @@ def test_a_warmup_overflow_first_is_said_to_be_expected(tmp_path):
     (tmp_path / "bad").mkdir()
     bad = job_view(bad_batch_job(tmp_path / "bad", world=3, bad_rank=1, bad_step=25), "job.rank0.sqlite")
     assert bad.first["step"] == 25 and not bad.first["warmup"]  # a forward overflow is never the warm-up's
+
+
+def test_ranks_table_sorts_steps_as_numbers_and_tells_a_nan_loss_from_none(tmp_path):
+    """The Ranks table showed 'None' for a rank that never went non-finite and for a NaN last loss
+    alike. Now the first NaN/inf step is a number column (it sorts 7 before 25; '–' where there is
+    none) and a NaN last loss reads 'NaN'. Ground truth: the rows written to each rank's file."""
+    import json
+    from helpers.synthetic_job import step_rows, write_rank
+    clean = step_rows(np.full(30, 0.5), np.full(30, 2.0), set())
+    write_rank(tmp_path, "job.rank0", 0, 3, clean, sharding="replicated")
+    late = step_rows(np.full(30, 0.5), np.full(30, 2.0), {25})
+    write_rank(tmp_path, "job.rank1", 1, 3, late, sharding="replicated",
+               events=((25, "forward", "0", "nan", 4, None, "float16", 1, 0),))
+    early = step_rows(np.full(30, 0.5), np.full(30, 2.0), {7})
+    early[-1] = early[-1][:3] + (None,) + early[-1][4:9] + (1,)  # the last loss NaN (stored as its bit)
+    write_rank(tmp_path, "job.rank2", 2, 3, early, sharding="replicated",
+               events=((7, "forward", "0", "inf", 2, None, "float16", 1, 0),))
+    at = _ranks_page(tmp_path, "job.rank0.sqlite")
+    table = next(d for d in at.dataframe if "first_nonfinite_step" in d.value.columns)
+    shown = table.value.set_index("rank")
+    assert str(shown["first_nonfinite_step"].dtype) == "Int64"
+    assert json.loads(table.proto.columns)["first_nonfinite_step"]["type_config"]["type"] == "number"
+    assert table.proto.placeholder == "–"
+    assert shown.loc[0, "first_nonfinite_step"] is pd.NA
+    assert shown.loc[1, "first_nonfinite_step"] == 25 and shown.loc[2, "first_nonfinite_step"] == 7
+    assert shown.loc[2, "last_loss"] == "NaN" and shown.loc[0, "last_loss"] == "2"

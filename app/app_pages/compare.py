@@ -62,6 +62,6 @@ st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), wid
                 key="compare_chart")
 summary = runs[runs["file"].isin(picked)][["name", "status", "steps", "skipped", "skipped_pct", "final_scale",
                                            "first_nonfinite_step", "last_loss"]]
-st.dataframe(formatting.runs_for_display(summary), hide_index=True,
-             key="compare_table", column_config=formatting.RUN_COLUMNS)
+formatting.table(formatting.runs_for_display(summary), hide_index=True,
+                 key="compare_table", column_config=formatting.RUN_COLUMNS)
 formatting.download(pd.concat(rows, ignore_index=True), "compare_steps.csv", "Download shown steps (CSV)")

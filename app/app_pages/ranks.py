@@ -55,9 +55,11 @@ if view.first:
                 + (f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} at that step)"
                    if others else "")
                 + (f": {WARMUP_NOTE}" if fst.get("warmup") else ""))
-st.dataframe(view.ranks, hide_index=True, key="ranks_table", column_config={
+ranks_shown = formatting.readable(view.ranks, {"last_loss": "NaN"})  # a NaN loss is not a missing one
+ranks_shown["first_nonfinite_step"] = formatting.steps_column(ranks_shown["first_nonfinite_step"])
+formatting.table(ranks_shown, hide_index=True, key="ranks_table", column_config={
     "first_nonfinite_step": st.column_config.NumberColumn(
-        "first NaN/inf step", help="any NaN/Inf, the scaler's warm-up included (the Runs page counts from its end)"),
+        "first NaN/inf step", format="%d", help="any NaN/Inf, the scaler's warm-up included (the Runs page counts from its end)"),
     "last_loss": "last loss"})
 st.button(f"Open rank {selected}'s run ({view.files[selected]})", key="ranks_open", on_click=state.open_run,
           args=(view.files[selected],))

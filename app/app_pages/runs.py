@@ -28,9 +28,9 @@ def _pick() -> None:
         st.session_state["compare"] = files
 
 
-st.dataframe(formatting.runs_for_display(shown[columns]), key="runs_table",
-             on_select=_pick, selection_mode="multi-row", hide_index=True,
-             column_config=formatting.RUN_COLUMNS)
+formatting.table(formatting.runs_for_display(shown[columns]), key="runs_table",
+                 on_select=_pick, selection_mode="multi-row", hide_index=True,
+                 column_config=formatting.RUN_COLUMNS)
 st.caption("Select rows to open a run (the first) or compare several; the sidebar shows the open run.")
 picked = st.session_state.get("compare") or []
 if picked:
