@@ -13,6 +13,7 @@ from pandas import testing as pd_testing
 
 import ampwatch
 from helpers.loops import data, mlp, snapshot, changed
+from helpers.torch_compat import total_norm
 
 
 def fused_storm(tmp_path, *, steps: int = 40, clip: bool = False, accum: int = 1):
@@ -35,7 +36,7 @@ def fused_storm(tmp_path, *, steps: int = 40, clip: bool = False, accum: int = 1
                 scaler.unscale_(opt)
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             else:  # the grads are still scaled: the truth divides by the scale they carry
-                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) / scale
+                norm = total_norm([p.grad for p in model.parameters()]) / scale
             truth["norm"].append(float(norm))
             truth["scale"].append(scale)
             scaler.step(opt)

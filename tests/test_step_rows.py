@@ -10,6 +10,7 @@ import torch
 
 import ampwatch
 from helpers.loops import amp_step, changed, data, mlp, snapshot, train
+from helpers.torch_compat import total_norm
 
 # every test runs on both recorder paths: the CPU's free reads and the accelerator path
 pytestmark = pytest.mark.usefixtures("record_path")
@@ -126,7 +127,7 @@ def test_grad_norm_is_unscaled_pre_clip_norm(tmp_path):
                 loss = torch.nn.functional.mse_loss(model(x).float(), y)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)  # a second unscale_ by ampwatch would raise inside GradScaler
-            truth.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+            truth.append(float(total_norm([p.grad for p in model.parameters()])))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # clips hard: post-clip norm is 1e-3
             scaler.step(opt)
             scaler.update()
@@ -309,7 +310,7 @@ def test_tied_weights_counted_once(tmp_path):
 
 
 def _pre_clip_truth(model, scale=1.0):
-    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])) / scale
+    return float(total_norm([p.grad for p in model.parameters()])) / scale
 
 
 @pytest.mark.parametrize("mode", ["bf16-no-scaler", "scaled-clip-misuse", "accumulated"])
