@@ -918,3 +918,40 @@ def test_a_failing_trace_note_leaves_the_compile_to_observe_every_tensor_apart(t
     later = [r.modules[r.modules.step > 0].sort_values(key).reset_index(drop=True) for r in (eager, comp)]
     assert len(later[0]) and later[0][key].equals(later[1][key])
     assert later[1]["amax"].tolist() == pytest.approx(later[0]["amax"].tolist(), rel=1e-3)
+
+
+@pytest.mark.parametrize("path", ["host", "accelerator"])
+def test_before_torch_2_11_a_compiled_model_is_recorded_without_gradient_hooks(tmp_path, monkeypatch, path):
+    """Dynamo traces a hook on a tensor made inside the graph from torch 2.11 on. On torch 2.4.1
+    every observed compiled step broke the graph there, the trace then failed, and recording stopped
+    at step 0 with no row written. Such a torch is stood in for here (``TRACES_TENSOR_HOOKS`` off;
+    this test also passes on torch 2.4.1 itself): the compiled run trains to the unwatched run's
+    numbers, breaks no graph, records every step as eager does, localizes a forward overflow to its
+    module on the accelerator path, and says once, at step 0, what it leaves out."""
+    from ampwatch.record import torch_access
+    monkeypatch.setattr(torch_access, "TRACES_TENSOR_HOOKS", False)
+    if path == "accelerator":
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    eager, _, _, _ = run(tmp_path, "eager", compiled=False, watched=True, fault_step=2)
+    _, plain_losses, _, _ = run(tmp_path, "plain", compiled=True, watched=False, fault_step=2)
+    comp, comp_losses, breaks, _ = run(tmp_path, "comp", compiled=True, watched=True, fault_step=2)
+    assert breaks == {}
+    assert len(comp_losses) == 4
+    assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) for a, b in zip(plain_losses, comp_losses))
+    _same_record(eager, comp)
+    left_out = comp.notices[comp.notices.code == "compiled-hooks-left-out"]
+    assert len(left_out) == 1 and left_out.step.iloc[0] == 0
+    assert ("forward only" if path == "accelerator" else "not observed") in left_out.message.iloc[0]
+    assert len(eager.notices[eager.notices.code == "compiled-hooks-left-out"]) == 0  # eager leaves nothing out
+    origins = comp.events[comp.events.origin]
+    forward = origins[origins.phase == "forward"]
+    if path == "accelerator":
+        assert forward.module.tolist()[:1] == ["fc2"] and forward.step.tolist()[:1] == [2]
+        # the observed step 0, run in the graph: in the backward only the root's output gradient,
+        # observed outside it (a replay, in eager where torch >= 2.6 can, observes every module)
+        first = comp.modules[comp.modules.step == 0]
+        assert set(first[first.phase == "backward"].module) <= {"<model>"}
+        assert {"fc1", "fc2", "head"} <= set(first[first.phase == "forward"].module)
+    else:  # the root's output outside the graph: the model's, not one of its modules
+        assert set(forward.module) == {"<model>"} and set(comp.modules.module) <= {"<model>"}
+    assert comp.steps.skipped.tolist() == eager.steps.skipped.tolist() and comp.steps.skipped.iloc[2]

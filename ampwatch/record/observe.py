@@ -345,6 +345,9 @@ class ModuleObserver:
         # compiled graph stays one graph
         self.observing = True
         self.traced = False  # the hooks ran inside a compiled graph: the root's hook folds its maxima
+        # torch < 2.11 traced a compiled step whose gradient hooks (and, where reads are free, every
+        # hook) it left out (torch_access.TRACES_TENSOR_HOOKS): the watch tells the run once
+        self.hooks_left_out = False
         # Under torch.compile, an observed forward's trace observes each tensor once, as eager's
         # learned aliases do (traced_aliases.py): the tensors observed so far in the trace with their
         # slots (emptied as each observed forward ends), whether to look them up at all (off for
@@ -746,6 +749,13 @@ class ModuleObserver:
         ``outs``) not observed yet in this trace (:func:`.traced_aliases.observe_once`) reduced in the graph
         (accelerator) or one op call for all of them (free reads), into its slot; and a tensor hook
         for each one's gradient."""
+        if not torch_access.TRACES_TENSOR_HOOKS:
+            # before torch 2.11 Dynamo cannot trace a gradient hook here (each one broke the graph,
+            # and the trace then failed); the forward is observed in the graph, except where reads
+            # are free: there the op's graph trained to other numbers than the model's (torch 2.4)
+            self.hooks_left_out = True
+            if self._host is not None:
+                return
         if self._trace_dedupe:
             tensors, slots = traced_aliases.observe_once(self, _trace_note, index, ins, outs)
         else:
@@ -766,7 +776,7 @@ class ModuleObserver:
                 rest_slots.append(slot)
         if rest:
             torch.ops.ampwatch.observe(rest, self._id, rest_slots)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and torch_access.TRACES_TENSOR_HOOKS:  # before torch 2.11: forward only
             for t, slot in zip(tensors, slots):
                 if t.requires_grad:
                     t.register_hook(partial(self._on_grad, slot + (GIN - IN)))  # IN->GIN, OUT->GOUT

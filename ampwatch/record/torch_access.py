@@ -43,6 +43,19 @@ def cpu_as_accelerator() -> bool:
 dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling
 
 
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+TORCH_VERSION = _version(torch.__version__)
+
+# Dynamo traces ``register_hook`` on a tensor made inside the graph from torch 2.11 on (pytorch
+# PR #172126, issue #172020); before, each such call is a graph break ("Compilation of intermediate
+# hooks requires compiled autograd") and the hook cannot be traced into the backward graph
+TRACES_TENSOR_HOOKS = TORCH_VERSION >= (2, 11)
+
+
 # --- GradScaler -----------------------------------------------------------------------------
 
 def scaler_enabled(scaler: Any) -> bool:

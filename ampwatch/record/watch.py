@@ -717,6 +717,17 @@ class Watch:
                        f"without a GradScaler, each step's check of its loss and gradient norms is read "
                        f"before optimizer.step(), where the host waits for the device: {why}")
 
+    def _note_hooks_left_out(self) -> None:
+        """Tell the run, once, what a compiled model's observed steps leave out before torch 2.11."""
+        self.observer.hooks_left_out = False
+        where = ("on the CPU, modules are not observed inside the compiled graph"
+                 if self.observer.host_stats else "modules are observed in the forward only inside the compiled graph")
+        self._note_once("compiled-hooks-left-out",
+                        f"torch {torch.__version__} cannot trace a hook on a tensor made inside a compiled graph "
+                        f"(torch 2.11 and later can): {where}. A NaN/Inf born in the backward shows on the "
+                        f"parameters' gradients without its module; to localize it, train with torch >= 2.11 "
+                        f"or run the bad step uncompiled on its saved inputs (ampwatch batch)")
+
     def _note_once(self, code: str, message: str) -> None:
         """A notice for this step that the run gets once (callers test ``code in self._noted``
         before composing its message, on paths every step runs)."""
@@ -767,6 +778,8 @@ class Watch:
         """Close the step: hand its pack to the writer. ``scalars``: packed before ``update()``
         (:meth:`before_update`); None packs them now, without a scale."""
         now = time.time()
+        if self.observer is not None and self.observer.hooks_left_out:
+            self._note_hooks_left_out()
         if self._trigger is not None:
             self._trigger.step_ended(bool(self.state.scale_calls or self.state.stepped))
         if scalars is None:

@@ -15,7 +15,11 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel
+try:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # FSDP2 before torch 2.6
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn import functional as F
 from torch.profiler import profile
