@@ -37,7 +37,10 @@ def _loop(path, clip, steps=3, **options):
     return ampwatch.load(watch.path)
 
 
-@pytest.mark.parametrize("how", ["literal", "generator", "bound-before-attach", pytest.param(
+@pytest.mark.parametrize("how", ["literal", "generator", pytest.param(
+    # before torch 2.6 clip_grad_norm_ calls nothing a wrapper can stand in for: a reference taken
+    # before attach is not seen (the dashboard falls back to the run's config keys)
+    "bound-before-attach", marks=pytest.mark.skipif(not HAS_SPLIT_CLIP, reason="torch >= 2.6")), pytest.param(
     "with-norm", marks=pytest.mark.skipif(not HAS_SPLIT_CLIP, reason="clip_grads_with_norm_: torch >= 2.6"))])
 def test_max_norm_is_learned_from_the_call(tmp_path, how):
     def clip(model, i):

@@ -21,7 +21,7 @@ is not seen; the dashboard then falls back to the run's config keys.
 The clip's own per-gradient norms are handed over too. ``clip_grad_norm_`` computes the norm of
 every gradient (``torch._foreach_norm``) to get the total; the recorder needs exactly those norms
 every step, so a loop that clips pays for them once instead of twice. While torch's
-``_get_total_norm`` runs on the calling thread, ``torch._foreach_norm`` and ``torch.stack`` are
+``_get_total_norm`` (before torch 2.6: the whole ``clip_grad_norm_``) runs on the calling thread, ``torch._foreach_norm`` and ``torch.stack`` are
 swapped for shims that keep what they return; the total the clip uses is torch's own, computed by
 torch's own code (training is unchanged). Each listener's ``on_clip_norms(tensors, norms, vector,
 parameters)`` then gets the tensors, their norms, when torch stacked exactly those norms the stacked
@@ -67,6 +67,9 @@ _swap = threading.Lock()  # one capture at a time: the swap of torch._foreach_no
 # _clip_grads_with_norm_ is not told to them a second time
 _clip_calls: dict[int, Any] = {}
 _NORM_COMPUTING = {"clip_grad_norm_"}  # the targets that compute the total norm themselves
+# torch >= 2.6: clip_grad_norm_ calls _get_total_norm, whose wrapper takes the norms; before, the
+# wrapper of clip_grad_norm_ takes them
+_TOTAL_NORM_APART = hasattr(torch.nn.utils.clip_grad, "_get_total_norm")
 
 
 def _module(name: str) -> Any:
@@ -100,6 +103,11 @@ def _wrap(original: Callable) -> Callable:
             listener.on_clip(parameters, max_norm)  # Watch.on_clip never raises
         if not computes_norm:
             return original(parameters, max_norm, *args, **kwargs)
+        if not _TOTAL_NORM_APART:  # torch < 2.6: the norms are taken inside clip_grad_norm_ itself
+            norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
+            if not _is_l2(norm_type):
+                return original(parameters, max_norm, *args, **kwargs)
+            return _with_norms(lambda: original(parameters, max_norm, *args, **kwargs), parameters)
         _clip_calls[thread] = parameters
         try:
             return original(parameters, max_norm, *args, **kwargs)
@@ -113,46 +121,54 @@ def _wrap_total_norm(original: Callable) -> Callable:
     def total_norm(tensors: Any, norm_type: Any = 2.0, *args: Any, **kwargs: Any) -> Any:
         if not _listeners or dynamo_compiling() or not _is_l2(norm_type):
             return original(tensors, norm_type, *args, **kwargs)
-        real_norm, real_stack = getattr(torch, "_foreach_norm", None), torch.stack
-        if real_norm is None or not _swap.acquire(blocking=False):
-            return original(tensors, norm_type, *args, **kwargs)
-        seen: list[tuple[Any, Any]] = []
-        stacked: list[tuple[Any, Any]] = []
-        thread = threading.get_ident()
-
-        def foreach_norm(group: Any, *a: Any, **kw: Any) -> Any:
-            out = real_norm(group, *a, **kw)
-            if threading.get_ident() == thread:
-                seen.append((group, out))
-            return out
-
-        def stack(items: Any, *a: Any, **kw: Any) -> Any:
-            out = real_stack(items, *a, **kw)
-            if threading.get_ident() == thread:
-                stacked.append((items, out))
-            return out
-
-        torch._foreach_norm, torch.stack = foreach_norm, stack
-        try:
-            result = original(tensors, norm_type, *args, **kwargs)
-        finally:
-            torch._foreach_norm, torch.stack = real_norm, real_stack
-            _swap.release()
-        if seen:
-            if len(seen) == 1:  # one device and dtype, the usual case: torch's own lists, not copies
-                grads, norms = seen[0]
-            else:
-                grads = [t for group, _ in seen for t in group]
-                norms = [n for _, out in seen for n in out]
-            # torch stacks the norms to sum them: that vector, when it holds exactly these norms
-            vector = next((out for items, out in stacked
-                           if len(items) == len(norms) and items[0] is norms[0] and items[-1] is norms[-1]), None)
-            # one group: torch's own list, in the clip's parameter order (see the module docstring)
-            parameters = _clip_calls.get(thread) if len(seen) == 1 else None
-            for listener in _listeners:
-                listener.on_clip_norms(grads, norms, vector, parameters)  # Watch.on_clip_norms never raises
-        return result
+        return _with_norms(lambda: original(tensors, norm_type, *args, **kwargs),
+                           _clip_calls.get(threading.get_ident()))
     return total_norm
+
+
+def _with_norms(call: Callable[[], Any], parameters: Any) -> Any:
+    """``call()``, a computation of the L2 total norm of gradients (torch's ``_get_total_norm``; before
+    torch 2.6 the whole ``clip_grad_norm_``), with ``torch._foreach_norm`` and ``torch.stack`` swapped
+    for shims that keep what they return on this thread; then the listeners get the per-gradient
+    norms (``parameters``: the clip's parameter list, handed on when the norms came in one group)."""
+    real_norm, real_stack = getattr(torch, "_foreach_norm", None), torch.stack
+    if real_norm is None or not _swap.acquire(blocking=False):
+        return call()
+    seen: list[tuple[Any, Any]] = []
+    stacked: list[tuple[Any, Any]] = []
+    thread = threading.get_ident()
+
+    def foreach_norm(group: Any, *a: Any, **kw: Any) -> Any:
+        out = real_norm(group, *a, **kw)
+        if threading.get_ident() == thread:
+            seen.append((group, out))
+        return out
+
+    def stack(items: Any, *a: Any, **kw: Any) -> Any:
+        out = real_stack(items, *a, **kw)
+        if threading.get_ident() == thread:
+            stacked.append((items, out))
+        return out
+
+    torch._foreach_norm, torch.stack = foreach_norm, stack
+    try:
+        result = call()
+    finally:
+        torch._foreach_norm, torch.stack = real_norm, real_stack
+        _swap.release()
+    if seen:
+        if len(seen) == 1:  # one device and dtype, the usual case: torch's own lists, not copies
+            grads, norms = seen[0]
+        else:
+            grads = [t for group, _ in seen for t in group]
+            norms = [n for _, out in seen for n in out]
+        # torch stacks the norms to sum them: that vector, when it holds exactly these norms
+        vector = next((out for items, out in stacked
+                       if len(items) == len(norms) and items[0] is norms[0] and items[-1] is norms[-1]), None)
+        # one group: torch's own list, in the clip's parameter order (see the module docstring)
+        for listener in _listeners:
+            listener.on_clip_norms(grads, norms, vector, parameters if len(seen) == 1 else None)
+    return result
 
 
 def _is_l2(norm_type: Any) -> bool:
