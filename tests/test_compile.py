@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 import ampwatch
 from helpers.loops import Amplify
+from helpers.torch_compat import NEEDS_TRACED_HOOKS
 
 
 class BackwardBomb(nn.Module):
@@ -111,6 +112,7 @@ def _same_record(a, b):
 
 
 @pytest.mark.parametrize("attach_after", [False, True], ids=["attach-then-compile", "compile-then-attach"])
+@NEEDS_TRACED_HOOKS
 def test_compiled_run_records_what_eager_records_without_graph_breaks(tmp_path, attach_after):
     eager, eager_losses, _, _ = run(tmp_path, "eager", compiled=False, watched=True)
     plain, plain_losses, _, plain_graphs = run(tmp_path, "plain", compiled=True, watched=False)
@@ -122,6 +124,7 @@ def test_compiled_run_records_what_eager_records_without_graph_breaks(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
+@NEEDS_TRACED_HOOKS
 def test_compiled_run_localizes_like_eager(tmp_path, kind, monkeypatch):
     monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")  # the path a GPU takes
     opts = {"fault_step": 2} if kind == "forward" else {"bomb": True}
@@ -138,6 +141,7 @@ def test_compiled_run_localizes_like_eager(tmp_path, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
+@NEEDS_TRACED_HOOKS
 def test_a_compiled_model_with_a_fused_optimizer_localizes_skips_read_a_step_late_like_eager(tmp_path, kind,
                                                                                               monkeypatch):
     """The GPU user's stack: torch.compile and AdamW(fused=True). Between layer_every steps a fused
@@ -261,6 +265,7 @@ def _broken_run(tmp_path, watched, steps=4, layer_every=1):
     return None, losses, graphs
 
 
+@NEEDS_TRACED_HOOKS
 def test_hooks_around_a_models_own_graph_break_are_not_compiled(tmp_path, monkeypatch):
     """Hooks that run eagerly around a model's own graph break are not compiled as frames of their
     own, nor is anything they call (Dynamo would specialize each per module, hit its recompile
@@ -281,6 +286,7 @@ def test_hooks_around_a_models_own_graph_break_are_not_compiled(tmp_path, monkey
     assert {f"{i}.fc" for i in range(10)} | {f"{i}.act" for i in range(10)} | {"10"} <= recorded
 
 
+@NEEDS_TRACED_HOOKS
 def test_failure_inside_the_compiled_op_stops_recording_not_training(tmp_path, monkeypatch):
     """An internal failure in the op's body, inside the user's compiled forward, warns once and
     stops recording; the compiled training goes on with the losses of the unwatched run."""
@@ -304,6 +310,7 @@ def test_failure_inside_the_compiled_op_stops_recording_not_training(tmp_path, m
 
 
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@NEEDS_TRACED_HOOKS
 def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, monkeypatch, path):
     """CUDA graphs (mode 'reduce-overhead'/'max-autotune') replay captured kernels without running
     Python: ``ampwatch::observe`` would record once, at capture. Inductor's own check for ops it
@@ -363,6 +370,7 @@ def test_the_op_is_kept_out_of_cuda_graphs_in_forward_and_backward(tmp_path, mon
 
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
 @pytest.mark.parametrize("handed_compiled", [True, False], ids=["attach-after", "attach-before"])
+@NEEDS_TRACED_HOOKS
 def test_a_compiled_model_keeps_no_autocast_probe_on_its_children(tmp_path, how, handed_compiled):
     """Traced into a graph, the autocast probes return at once and learn nothing, and each child's
     would add its guards to every call of the graph. A model handed over compiled gets the root's
@@ -399,6 +407,7 @@ def test_a_compiled_model_keeps_no_autocast_probe_on_its_children(tmp_path, how,
     assert ampwatch.load(watch.path).info["amp_dtype"] == "float16"
 
 
+@NEEDS_TRACED_HOOKS
 def test_an_unwatched_instance_of_the_same_class_shares_no_graph_with_the_watched_one(tmp_path):
     """Dynamo caches graphs per code object, so instances of one class share them unless a guard
     tells them apart. An unwatched twin compiled first must not hand the watched model its graph
@@ -492,6 +501,7 @@ def test_a_model_compiled_first_on_a_step_between_observed_ones_is_observed_on_t
     assert _observed_steps(watch.path) == [0, 4, 8]
 
 
+@NEEDS_TRACED_HOOKS
 def test_compiled_micro_batches_are_localized_like_eager(tmp_path, monkeypatch):
     """Three micro-batches a step, a NaN in micro-batch 1's input on an observed step: on the
     accelerator path the compiled forward hands its maxima out as graph outputs, folded after each
@@ -559,6 +569,7 @@ def test_a_model_compiled_as_one_graph_turns_on_no_hook_guards(tmp_path, monkeyp
     assert "forward" not in model.__dict__ and inspect.signature(model.forward) == signature
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_graph_break_inside_the_watched_model_falls_back_to_guards_on_every_hook_dict(tmp_path, monkeypatch):
     """A graph break inside the model makes Dynamo compile its blocks' forwards as frames of their
     own, which the wrapper's flag does not reach: a block's graph traced between observed steps,
@@ -576,6 +587,7 @@ def test_a_graph_break_inside_the_watched_model_falls_back_to_guards_on_every_ho
         assert _observed_steps(run_.path, inner) == [0, 3, 6]
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_model_with_graph_breaks_compiled_before_attach_is_observed_inside_its_blocks(tmp_path, monkeypatch):
     """Compiled and run before attach, a model that breaks its graph leaves graphs traced without
     hooks, among them those of the frames Dynamo resumes in after each break (code objects of their
@@ -700,6 +712,7 @@ def _train_tower_under_defaults(tmp_path, name, *, watched, when="before", fault
 
 
 @pytest.mark.parametrize("when", ["before", "after"], ids=["blocks-compiled-then-attach", "attach-then-blocks-compiled"])
+@NEEDS_TRACED_HOOKS
 def test_blocks_compiled_one_by_one_compile_one_graph_and_are_observed_at_their_call(tmp_path, when, record_path):
     """torchtitan's way: each block compiled on its own. Hooks inside the blocks would be traced into
     their graph with each module's own constants: one graph per block, ten here, past Dynamo's
@@ -727,6 +740,7 @@ def test_blocks_compiled_one_by_one_compile_one_graph_and_are_observed_at_their_
     assert by_step == {4: [inner if replayed else "blocks.6"], 5: [inner if replayed else "blocks.6"], 6: ["blocks.6"]}
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_submodule_compiled_alone_is_observed_inside_its_graph(tmp_path, record_path):
     """One block compiled on its own is one graph, traced with the hooks: the modules inside it stay
     observed on every observed step (only blocks compiled one by one, two or more of a class, are
@@ -831,6 +845,7 @@ def _same_module_rows(eager, comp, every_row=True):
     assert b["amax"].tolist() == pytest.approx(a["amax"].tolist(), rel=1e-3)
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_compiled_observed_step_observes_each_tensor_once_as_eager_does(tmp_path, monkeypatch):
     """Eager observes a tensor that another module already handed on (the residual stream, a
     container's input handed to its first child, its output its last child's) once, by the
@@ -854,6 +869,7 @@ def test_a_compiled_observed_step_observes_each_tensor_once_as_eager_does(tmp_pa
     assert torch.allclose(torch.stack(eager_losses), torch.stack(comp_losses), rtol=1e-3)
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_module_working_in_place_keeps_aliases_on_and_values_as_in_eager(tmp_path, monkeypatch):
     """A ReLU(inplace=True) hands out the tensor it received, changed: its input and output are
     observed anew (not as aliases of the Linear's output before it), and aliases stay on."""
@@ -896,6 +912,7 @@ def test_a_tensor_changed_in_place_between_modules_is_observed_on_its_own(tmp_pa
     assert origins.iloc[0]["step"] == 4 and origins.iloc[0]["phase"] == "forward"
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_failing_trace_note_leaves_the_compile_to_observe_every_tensor_apart(tmp_path, monkeypatch):
     """What the trace notes runs inside the user's torch.compile: an error there (a torch whose
     Dynamo hands it other locals) must not reach the user's compile. The run trains, and from the

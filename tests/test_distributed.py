@@ -7,6 +7,7 @@ import pytest
 
 import ampwatch
 from helpers.ports import free_port
+from helpers.torch_compat import NEEDS_TRACED_HOOKS
 
 
 def test_each_rank_records_its_own_file(tmp_path):
@@ -33,6 +34,7 @@ def test_each_rank_records_its_own_file(tmp_path):
     assert a["grad_norm"].tolist() == pytest.approx(b["grad_norm"].tolist(), rel=1e-5, nan_ok=True)
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_compiled_ddp_model_is_observed_on_the_steps_eager_observes(tmp_path):
     """DDP under ``torch.compile``, attached to the DDP module: Dynamo cannot trace DDP's own forward
     and runs parts of it eagerly around the compiled model. Each rank must still observe the modules

@@ -17,6 +17,7 @@ import ampwatch
 transformers = pytest.importorskip("transformers")
 from ampwatch.errors import OptionError  # noqa: E402
 from ampwatch.integrations.transformers import AmpwatchCallback  # noqa: E402
+from helpers.torch_compat import NEEDS_TRACED_HOOKS  # noqa: E402
 
 STEPS = 6
 
@@ -341,6 +342,7 @@ class GraphsByStep(transformers.TrainerCallback):
         self.graphs.append(counters["stats"]["unique_graphs"])
 
 
+@NEEDS_TRACED_HOOKS
 def test_a_compiled_trainer_model_with_graph_breaks_is_observed_without_compiling_twice(tmp_path, monkeypatch):
     """``torch_compile=True`` with a model that breaks its graph inside (a hook of the user's on a
     block; HF models break on a logger call or a cache object), so its blocks run in frames the
