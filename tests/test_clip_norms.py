@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ampwatch
+from ampwatch.record.torch_access import TORCH_VERSION
 from helpers.loops import data, mlp
 from helpers.torch_compat import HAS_SPLIT_CLIP
 
@@ -296,7 +297,9 @@ def test_a_clip_inside_a_compiled_function_breaks_no_graph(tmp_path, record_path
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     clip(params)  # unwatched: torch's own clip breaks its graph before torch 2.6 (_group_tensors_by_device_and_dtype)
-    assert set(breaks) == set(counters["graph_break"]) and (breaks == {} or not HAS_SPLIT_CLIP)  # none of ours
+    assert set(breaks) == set(counters["graph_break"])  # none of ours
+    if TORCH_VERSION >= (2, 13):  # torch's own clip compiles whole there (2.4 and 2.10 break on its grouping)
+        assert breaks == {}
     assert _recorded(ampwatch.load(watch.path)) == [pytest.approx(t, rel=1e-5) for t in truth]
 
 
