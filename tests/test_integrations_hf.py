@@ -54,6 +54,15 @@ def logged(trainer) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
 
 
+def trainer_losses(logs: list[dict]) -> object:
+    """The losses the Trainer logged, to compare ours with: to 1e-6, or to the 4 decimals that
+    transformers before 5 rounds its logged loss to."""
+    losses = [h["loss"] for h in logs]
+    if all(x == round(x, 4) for x in losses):
+        return pytest.approx(losses, abs=5.1e-5)
+    return pytest.approx(losses, rel=1e-6)
+
+
 def use_cpu_grad_scaler(trainer, **kwargs) -> torch.amp.GradScaler:
     """What accelerate does on a GPU with fp16 (a GradScaler and native autocast), on the CPU:
     the same Trainer/accelerate code paths, with a real scaler that really skips steps."""
@@ -95,7 +104,7 @@ def test_one_row_per_optimizer_step_with_the_trainers_loss_and_grad_norm(precisi
     steps, logs = run.steps, logged(trainer)
     assert list(steps["step"]) == list(range(STEPS)) and len(logs) == STEPS
     assert list(steps["micro_batches"]) == [2] * STEPS
-    assert list(steps["loss"]) == pytest.approx([h["loss"] for h in logs], rel=1e-6)
+    assert list(steps["loss"]) == trainer_losses(logs)
     assert list(steps["grad_norm"]) == pytest.approx([h["grad_norm"] for h in logs], rel=1e-4)
     assert not steps["skipped"].any() and steps["loss_scale"].isna().all()  # accelerate has no CPU scaler
 
@@ -133,7 +142,7 @@ def test_grad_scaler_path_skips_agree_with_parameters_and_accelerate(tmp_path, o
     assert run.info["scaler_enabled"] == 1 and run.info["init_scale"] == 2.0 ** 24
     assert run.info["amp_dtype"] == "float16"
     logs = logged(trainer)
-    assert list(steps["loss"]) == pytest.approx([h["loss"] for h in logs], rel=1e-6)
+    assert list(steps["loss"]) == trainer_losses(logs)
     finite = [(s, h["grad_norm"]) for s, h in zip(steps.itertuples(), logs) if math.isfinite(h["grad_norm"])]
     assert len(finite) >= 4
     assert [s.grad_norm for s, _ in finite] == pytest.approx([g for _, g in finite], rel=1e-4)
@@ -292,7 +301,7 @@ def test_reused_trainer_and_a_second_trainer_give_separate_correct_runs(tmp_path
     for name, logs in expected.items():
         run = ampwatch.load(tmp_path / name)
         assert run.info["status"] == "finished" and len(run.steps) == STEPS == len(logs)
-        assert list(run.steps["loss"]) == pytest.approx([h["loss"] for h in logs], rel=1e-6)
+        assert list(run.steps["loss"]) == trainer_losses(logs)
         assert list(run.steps["grad_norm"]) == pytest.approx([h["grad_norm"] for h in logs], rel=1e-4)
     assert ampwatch.load(tmp_path / "b.sqlite").info["config"]["learning_rate"] == 3e-3
     assert ampwatch.load(tmp_path / "a-2.sqlite").steps["loss"].iloc[0] != expected["a.sqlite"][0]["loss"]
