@@ -21,8 +21,9 @@ is not seen; the dashboard then falls back to the run's config keys.
 The clip's own per-gradient norms are handed over too. ``clip_grad_norm_`` computes the norm of
 every gradient (``torch._foreach_norm``) to get the total; the recorder needs exactly those norms
 every step, so a loop that clips pays for them once instead of twice. While torch's
-``_get_total_norm`` (before torch 2.6: the whole ``clip_grad_norm_``) runs on the calling thread, ``torch._foreach_norm`` and ``torch.stack`` are
-swapped for shims that keep what they return; the total the clip uses is torch's own, computed by
+``_get_total_norm`` (before torch 2.6: the whole ``clip_grad_norm_``) runs on the calling thread,
+``torch._foreach_norm`` and ``torch.stack`` are swapped for shims that keep what they return; the
+total the clip uses is torch's own, computed by
 torch's own code (training is unchanged). Each listener's ``on_clip_norms(tensors, norms, vector,
 parameters)`` then gets the tensors, their norms, when torch stacked exactly those norms the stacked
 vector (one op fewer for the recorder), and, when the total was ``clip_grad_norm_``'s over one
