@@ -32,6 +32,8 @@ def job(tmp_path_factory):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode != 0 and "all_gather_copy_in_stream = torch.cuda.Stream" in log for p, log in zip(procs, logs)):
+        pytest.skip("FSDP2 of this torch needs CUDA streams: it does not run on the CPU (seen on torch 2.4.1)")
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     for log in logs:
         assert "stopped recording" not in log, log[-3000:]
