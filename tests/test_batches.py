@@ -275,6 +275,7 @@ def test_a_file_of_the_schema_before_reads_as_none_saved(tmp_path):
     _loop(path, bad={(3, 0): (0, 0, float("nan"))})
     with sqlite3.connect(path) as conn:
         conn.execute("DROP TABLE batches")
+        conn.execute("DELETE FROM events WHERE phase = 'input'")  # schema 7's recorder wrote none
         conn.execute("PRAGMA user_version = 7")
     run = ampwatch.load(path)
     assert run.batches.empty and list(run.batches.columns)[:3] == ["step", "micro_batch", "name"]
@@ -321,6 +322,13 @@ def test_under_ddp_the_rank_whose_batch_brought_the_nan_keeps_it(tmp_path, path_
     assert list(saved["step"]) == [4] and list(saved["name"]) == ["args[0]"]
     assert saved["sha256"].iloc[0] == (tmp_path / "truth.txt").read_text()
     assert ampwatch.diagnose(rank1)[0].title == "NaN in the model's input batch at step 4"
+    # the recorder saw the batch bring it, on rank 1 only: no module is named as its origin
+    born = rank1.events[rank1.events["origin"].astype(bool) & (rank1.events["step"] == 4)]
+    assert list(zip(born["phase"], born["module"])) == [("input", "<model>")]
+    assert not (rank0.events["phase"] == "input").any()
+    from ampwatch.doctor.job import diagnose_group
+    job = {f.id: f for f in diagnose_group(ampwatch.load_group(tmp_path))}
+    assert job["rank-origin"].title == "A bad batch on rank 1: NaN born in the model's input batch (micro-batch 0) at step 4"
 
 
 class _LabelledModel(torch.nn.Module):
@@ -457,3 +465,4 @@ def test_an_attention_mask_of_minus_inf_is_not_blamed(tmp_path):
     assert int(np.isneginf(run.batch(3)["args[1]"]).sum()) == 2
     titles = [f.title for f in ampwatch.diagnose(run)]
     assert not any("input batch" in t for t in titles), titles
+    assert not (run.events["phase"] == "input").any()  # -inf alone in the inputs: a mask, not a fault

@@ -96,7 +96,8 @@ def _first_line(group: RunGroup) -> str:
     first = first_nonfinite(group)
     if first is None:
         return "nonfinite none"
-    where = f": {first.module} ({first.phase}{_mb(first.micro_batch)})" if first.module else ""
+    where = (f": the model's input batch{_mb(first.micro_batch)}" if first.phase == "input" else
+             f": {first.module} ({first.phase}{_mb(first.micro_batch)})" if first.module else "")
     text = f"nonfinite first at step {first.step} on rank {first.rank}{where}"
     if expected_overflow(group.paths[first.rank], first.step, first.phase):
         # every rank skips the warm-up's steps: rank 0 comes first only because it sorts first

@@ -28,7 +28,7 @@ from ..store.reader import (RunConnection, aliases_in, decode_nan_mask, event_co
                             find_runs, has_table, nonfinite_counts, open_run)
 from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
 from ..doctor.summary import error_tail
-from ..doctor.warmup import warmup_end, warmup_in_file
+from ..doctor.warmup import SCALE_FREE_PHASES, warmup_end, warmup_in_file
 
 # About one point per horizontal pixel of a wide chart; each bucket contributes up to ~10 rows.
 STEP_BUCKETS = 2000
@@ -322,7 +322,7 @@ def events(path: Any) -> pd.DataFrame:
         first = conn.execute("SELECT MIN(step) FROM steps").fetchone()[0] or 0
         warm = warmup_end(warmup_in_file(conn, bool(conn.run_row.get("scaler_enabled"))), first)
     df["origin"] = df["origin"].astype(bool)
-    df["warmup"] = (df["step"] < warm) & ~df["phase"].isin(["forward", "loss"])
+    df["warmup"] = (df["step"] < warm) & ~df["phase"].isin(SCALE_FREE_PHASES)
     return df
 
 

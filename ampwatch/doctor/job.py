@@ -37,6 +37,8 @@ def _ranks(ranks: list[int]) -> str:
 def _where(ev: Any) -> str:
     mb = ev.get("micro_batch")
     mb_text = "" if mb is None or mb != mb else f", micro-batch {int(mb)}"
+    if ev["phase"] == "input":
+        return f"the model's input batch{' (' + mb_text[2:] + ')' if mb_text else ''}"
     return f"{ev['module']} ({ev['phase']}{mb_text})"
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 
 from .finding import DTYPE_MAX, FP16_MAX, Finding, counted, num, span
 from .facts import Facts
-from .origins import origin_advice
+from .origins import INPUT_FIX, origin_advice
 
 # Gradient underflow: a row is "at low scale" when its largest scaled gradient element is below 1:
 # fp16 has only 24 binary orders of magnitude below 1 before flushing to zero, and a gradient's
@@ -173,7 +173,7 @@ def _serious_events(facts: Facts) -> pd.DataFrame:
         return ev
     if facts.warmup:
         ev = ev[~ev["step"].isin(facts.warmup.skips)]
-    fwd = (ev["phase"] == "forward") & ev["origin"]
+    fwd = ev["phase"].isin(["forward", "input"]) & ev["origin"]
     loss = ev["phase"] == "loss"
     grad = ((ev["phase"] == "backward") & ev["origin"]) | (ev["phase"] == "param_grad")
     if facts.scaling:
@@ -181,7 +181,7 @@ def _serious_events(facts: Facts) -> pd.DataFrame:
     return ev[fwd | loss | grad]
 
 
-_PHASE_RANK = {"forward": 0, "backward": 1, "loss": 2, "param_grad": 3}
+_PHASE_RANK = {"input": -1, "forward": 0, "backward": 1, "loss": 2, "param_grad": 3}
 
 
 def is_attention(module: str, cls: Optional[str]) -> bool:
@@ -265,6 +265,9 @@ def nonfinite_origin(facts: Facts) -> list[Finding]:
     e = at_first.sort_values(["rank"]).iloc[0]
     module, phase = e["module"], e["phase"]
     bad_steps = sorted(set(int(s) for s in ev["step"]))
+    if phase == "input":
+        facts.claims["nonfinite-origin"] = ("<inputs>", "forward")
+        return [_input_event_origin(facts, e, first, bad_steps)]
     same = ev[(ev["module"] == module) & (ev["phase"] == phase)]["step"].nunique()
     label = facts.module_label(module)
     what = {"forward": f"the forward output of {label}", "backward": f"the gradient {label} passes back",
@@ -316,12 +319,27 @@ def _input_origin(facts: Facts, first: int, bad_steps: list[int], bad_inputs: li
     title = f"{kind} in the model's input batch at step {first:,}"
     evidence = (f"step {first:,}: the inputs saved from the step, read back from the run file: " + "; ".join(parts)
                 + f". Non-finite values at {counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])})")
-    advice = ("The data is the cause, not the model or its precision: find this batch in the data pipeline (the "
-              "saved inputs' sha256 identifies it) and fix or drop the sample (a missing value, a log of 0, a "
-              "division by zero in preprocessing); a check such as torch.isfinite(x).all() in the loader keeps "
-              "such batches out." + facts.saved_inputs_text(first))
+    advice = (INPUT_FIX.replace("data pipeline", "data pipeline (the saved inputs' sha256 identifies it)") + "."
+              + facts.saved_inputs_text(first))
     return facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, advice,
                          jump=facts.jump(first, first))
+
+
+def _input_event_origin(facts: Facts, e: pd.Series, first: int, bad_steps: list[int]) -> Finding:
+    """The model's own inputs held NaN/+inf as its forward began (the recorder's ``input`` event),
+    where their bytes are not in the run file to say more (not saved: save_batches=False, over the
+    budget, or a path that keeps no inputs of that step)."""
+    kind = {"nan": "NaN", "inf": "Inf"}.get(e["kind"], "NaN/Inf")
+    count = f"{int(e['count']):,} " if pd.notna(e["count"]) else ""
+    values = "value" if pd.notna(e["count"]) and int(e["count"]) == 1 else "values"
+    dtype = f" ({e['dtype']})" if isinstance(e["dtype"], str) else ""
+    micro = f" (micro-batch {int(e['micro_batch'])})" if pd.notna(e.get("micro_batch")) and e["micro_batch"] else ""
+    title = f"{kind} in the model's input batch at step {first:,}"
+    evidence = (f"step {first:,}: the model's floating-point inputs{micro} held {count}{e['kind']} {values}{dtype}"
+                f" as its forward began, before any module ran. Non-finite values at "
+                f"{counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])})")
+    return facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, INPUT_FIX + "."
+                         + facts.saved_inputs_text(first), jump=facts.jump(first, first))
 
 
 _NO_TOKENS_FIX = ("Drop such samples before batching (a prompt truncated to the whole sequence leaves only ignored "

@@ -67,13 +67,19 @@ def undecided_nan_advice(facts: Facts, module: str, dtype: str) -> str:
 
 def place(module: str, phase: str) -> str:
     """``h.0.mlp.fc (forward)``, or ``the loss``."""
-    return "the loss" if phase == "loss" else f"{module} ({phase})"
+    return "the loss" if phase == "loss" else "the model's input batch" if phase == "input" else f"{module} ({phase})"
 
 
 def describe_origins(origins: pd.DataFrame, limit: int = 3) -> str:
     parts = [f"{place(r.module, r.phase)} at {r.n:,} step{'s' if r.n != 1 else ''}"
              for r in origins.head(limit).itertuples()]
     return "; ".join(parts)
+
+
+# The batch brought NaN/Inf in (the model's own input, phase "input"): no module and no precision is at fault.
+INPUT_FIX = ("The data is the cause, not the model or its precision: find this batch in the data pipeline and fix or "
+             "drop the sample (a missing value, a log of 0, a division by zero in preprocessing); a check such as "
+             "torch.isfinite(x).all() in the loader keeps such batches out")
 
 
 def fix_for_origin(module: str, phase: str) -> str:
@@ -83,6 +89,8 @@ def fix_for_origin(module: str, phase: str) -> str:
                 f"input cast by .float(), or use bf16 autocast; or find what made its inputs or weights grow")
     if phase == "loss":
         return "compute the loss in fp32 (logits.float()) and guard logs/divisions with an eps"
+    if phase == "input":
+        return INPUT_FIX[0].lower() + INPUT_FIX[1:]
     if phase == "param_grad":
         return f"look at what feeds {module}'s gradient (its module's backward) and keep that module in fp32"
     return (f"the backward of {module} overflows: keep {module} in fp32, or guard the operation whose "

@@ -9,6 +9,7 @@ import pandas as pd
 from .finding import FP16_MAX, Finding, num, span
 from .facts import Facts
 from .origins import describe_origins, origin_advice, place
+from .warmup import SCALE_FREE_PHASES
 
 # Scale collapse: a scale below 1 means the gradients overflow even unscaled. A gradient that
 # overflowed only because the scale grew is fixed by one or two halvings (the weights do not change
@@ -77,8 +78,9 @@ def scale_collapse(facts: Facts) -> list[Finding]:
         evidence += extra
         phase = origins["phase"].iloc[0]
         lowest = float(scale[steps["step"].isin(skipped_in)].min()) if skipped_in else float(scale.min())
-        if phase in ("forward", "loss"):
-            why = (f"It is born in the {'loss' if phase == 'loss' else 'forward'}, which the loss scale does not "
+        if phase in SCALE_FREE_PHASES:
+            why = (f"It is born in the {'loss' if phase == 'loss' else 'forward' if phase == 'forward' else 'batch'}, "
+                   f"which the loss scale does not "
                    f"touch (the scale multiplies only the gradients), so halving cannot fix it")
         else:
             why = (f"It still overflowed at a scale of {num(lowest)}, so halving has not fixed it" if lowest >= 1 else

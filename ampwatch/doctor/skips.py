@@ -15,6 +15,7 @@ import pandas as pd
 from .facts import Facts
 from .finding import Finding, counted, num, num_range, pct
 from .origins import origin_advice, overwrite_advice, weight_jump
+from .warmup import SCALE_FREE_PHASES
 
 # Recurring overflow: GradScaler's defaults (growth_interval=2000) allow one probing skip per ~2000
 # steps (0.05%). 2% is 40x that, and means 2% of the batches are thrown away; below 3 skips there is
@@ -43,6 +44,8 @@ def _skip_origin(ev: pd.DataFrame) -> tuple[str, str, Optional[str]]:
     """(phase, module, flows_into) explaining one skipped step from its events."""
     def origin_row(phase: str) -> pd.DataFrame:
         return ev[(ev["phase"] == phase) & ev["origin"]]
+    if len(origin_row("input")):  # the batch brought it: no module, and not the scale
+        return "input", "<model>", None
     fwd = origin_row("forward")
     if not len(fwd) and (ev["phase"] == "loss").any():
         return "loss", "loss", None
@@ -61,6 +64,8 @@ def origin_label(phase: str, module: str, into: Optional[str] = None) -> str:
         return "no module recorded (localize=False)"
     if phase == "loss":
         return "the loss"
+    if phase == "input":
+        return "the model's input batch"
     if phase == "param_grad":
         return f"the weight gradient of {module}"
     if into:
@@ -86,8 +91,8 @@ def classify(facts: Facts) -> pd.DataFrame:
     out = pd.DataFrame({"step": skips, "scale": facts.scales(skips),
                         "phase": [o[0] for o in origins], "module": [o[1] for o in origins],
                         "into": [o[2] for o in origins]})
-    # A forward overflow is never a probe: the scale plays no part in it.
-    out["probe"] = grew & ~out["phase"].isin(["forward", "loss"]).to_numpy()
+    # A forward overflow (or a batch that brought one) is never a probe: the scale plays no part in it.
+    out["probe"] = grew & ~out["phase"].isin(SCALE_FREE_PHASES).to_numpy()
     out["label"] = [origin_label(p, m, i) for p, m, i in zip(out["phase"], out["module"], out["into"])]
     facts._skips = out
     return out
@@ -97,7 +102,7 @@ def _recurring(facts: Facts) -> pd.DataFrame:
     """The skips of the recurring-overflow finding: non-probe, non-forward skips when one origin is
     behind SAME_ORIGIN_MIN+ of them or they exceed SKIP_RATE_WARN of the steps after warm-up."""
     k = classify(facts)
-    k = k[~k["probe"] & ~k["phase"].isin(["forward"])]
+    k = k[~k["probe"] & ~k["phase"].isin(["forward", "input"])]
     n = len(facts.after_warmup())
     if not len(k):
         return k
@@ -196,7 +201,7 @@ def lone_skips(facts: Facts) -> list[Finding]:
     gradients that overflowed once at the scale they carried."""
     k = classify(facts)
     taken = set(_recurring(facts)["step"])
-    rest = k[~k["probe"] & (k["phase"] != "forward") & ~k["step"].isin(taken)]
+    rest = k[~k["probe"] & ~k["phase"].isin(["forward", "input"]) & ~k["step"].isin(taken)]
     if not len(rest):
         return []
     steps = [int(s) for s in rest["step"]]

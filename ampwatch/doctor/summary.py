@@ -10,7 +10,7 @@ from ..store.guard import reads
 from ..store.reader import connect
 from ..store.schema import STEP_NAN_BITS
 from .ending import UNFINISHED, traceback_tail
-from .warmup import warmup_end, warmup_in_file
+from .warmup import SCALE_FREE_PHASES, warmup_end, warmup_in_file
 
 
 def _finite(values: pd.Series) -> pd.Series:
@@ -35,7 +35,7 @@ def first_nonfinite_step(steps: pd.DataFrame, events: Optional[pd.DataFrame], wa
             if len(bad):
                 candidates.append(int(bad.min()))
     if events is not None and len(events):
-        ev = events[(events["step"] >= warm) | events["phase"].isin(["forward", "loss"])]
+        ev = events[(events["step"] >= warm) | events["phase"].isin(SCALE_FREE_PHASES)]
         if len(ev):
             candidates.append(int(ev["step"].min()))
     return min(candidates) if candidates else None

@@ -27,6 +27,10 @@ import pandas as pd
 from ..store.reader import open_run
 from ..store.schema import INF_BOUND, STEP_NAN_BITS
 
+# Where a non-finite value is never the loss scale's doing: a forward pass, the loss, or the model's
+# own input (the batch brought it). The scale multiplies only the gradients.
+SCALE_FREE_PHASES = ("forward", "loss", "input")
+
 # A diverged tail: NaN/inf loss on the last 3+ steps (one or two are an overflow the scaler may
 # still fix). Health rules judge only the steps before it; the divergence finding covers the rest.
 NAN_TAIL_MIN = 3
@@ -94,7 +98,7 @@ def warmup_of(steps: pd.DataFrame, events: Optional[pd.DataFrame], scaler_enable
     if healthy_end is None:
         tail = nan_tail_start(steps, bool(steps["loss"].notna().any()))
         healthy_end = int(steps["step"].max()) if tail is None else tail - 1
-    bad_fwd = set(events.loc[events["phase"].isin(["forward", "loss"]), "step"]) \
+    bad_fwd = set(events.loc[events["phase"].isin(SCALE_FREE_PHASES), "step"]) \
         if events is not None and len(events) else set()
     return leading_warmup(steps["step"].to_numpy(), steps["loss_scale"].to_numpy(dtype=float),
                           steps["skipped"].to_numpy(dtype=bool), bad_fwd, healthy_end)
@@ -155,6 +159,6 @@ def warmup_end_in(path: Any) -> int:
 def expected_overflow(path: Any, step: int, phase: Optional[str]) -> bool:
     """Whether a first NaN/Inf at ``step`` of the run file ``path``, in ``phase`` (None: seen in the
     steps table only, without localization), is the scaler's warm-up: a gradient overflow before
-    the warm-up ended. A forward pass or loss that went non-finite never is (a fault, not a scale
+    the warm-up ended. A forward pass, loss or input batch that went non-finite never is (a fault, not a scale
     too high for the gradients). One read of the file's leading rows."""
-    return phase not in ("forward", "loss") and step < warmup_end_in(path)
+    return phase not in SCALE_FREE_PHASES and step < warmup_end_in(path)

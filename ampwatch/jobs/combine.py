@@ -24,9 +24,10 @@ from ..store.schema import INF_BOUND, STEP_NAN_BITS
 from .threads import map_threads
 
 _NAN_BITS = STEP_NAN_BITS["loss"] | STEP_NAN_BITS["grad_norm"]
-# Forward-pass phases: born on the rank whose batch caused it (backward is all-reduced under DDP).
-RANK_LOCAL_PHASES = ("forward", "loss")
-PHASE_ORDER = {"forward": 0, "loss": 1, "backward": 2, "param_grad": 3}
+# Forward-pass phases: born on the rank whose batch caused it (backward is all-reduced under DDP);
+# "input": the batch itself held NaN/Inf as the model's forward began.
+RANK_LOCAL_PHASES = ("input", "forward", "loss")
+PHASE_ORDER = {"input": -1, "forward": 0, "loss": 1, "backward": 2, "param_grad": 3}
 _STEP_COLS = "step, loss, loss_scale, skipped, grad_norm, nan_mask"
 _MMAP = 1 << 28  # read pages through mmap: a sampled read touches most of a file's pages
 GLOBAL_COLUMNS = ["step", "ranks", "loss_mean", "loss_std", "loss_min", "loss_max", "grad_norm", "skipped",

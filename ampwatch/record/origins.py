@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .slots import BACKWARD, DTYPE_NAMES, FORWARD, GIN, GOUT, IN, OUT, ROLES
+from .slots import BACKWARD, DTYPE_NAMES, FORWARD, GIN, GOUT, IN, INPUT, OUT, ROLES
 
 
 @dataclass
@@ -179,7 +179,27 @@ def analyse(values: dict[int, SlotValue], aliases: dict, order: Optional[list[in
             if gin.bad and not (gout is not None and gout.bad):
                 bwd.append(m)
                 seen[m] = _seen_at(m, values, gins[m], rank)
-    return stats, {FORWARD: _pick(fwd, names, rank, False), BACKWARD: _pick(bwd, names, seen, True)}
+    found = {FORWARD: _pick(fwd, names, rank, False), BACKWARD: _pick(bwd, names, seen, True)}
+    root = _brought_in(values, ins, names)
+    if root is not None:
+        stats[(root, INPUT)] = _stat(_fold(values, ins[root]))  # type: ignore[arg-type]
+        found[INPUT] = root
+    return stats, found
+
+
+def _brought_in(values: dict[int, SlotValue], ins: list[list[int]], names: list[str]) -> Optional[int]:
+    """The root module (``<model>``) when the model's own floating inputs held NaN or +inf: the
+    batch brought them, before any module ran. An input that is only -inf below finite values is
+    left out: an additive attention mask holds -inf on purpose."""
+    if "<model>" not in names:
+        return None
+    root = names.index("<model>")
+    v = _fold(values, ins[root])
+    if v is None or not v.bad:
+        return None
+    if v.lo == -math.inf and math.isfinite(v.hi) and not v.nan:  # -inf only (counts, where known, agree)
+        return None
+    return root
 
 
 def _child_of(container: str, name: str) -> Optional[str]:

@@ -256,7 +256,7 @@ class PackReader:
                                    _nullable(fp32), None if fp32 is None else int(math.isnan(fp32)),
                                    into.get(phase) if origin else None,
                                    _nullable(lowp), None if lowp is None else int(math.isnan(lowp))))
-            if has_events or pack.step % self.layer_every == 0:
+            if phase != origins.INPUT and (has_events or pack.step % self.layer_every == 0):
                 out.modules.append((self.module_ids[module], 0 if phase == origins.FORWARD else 1,
                                     pack.step, _nullable(s.amax), int(s.nonfinite)))
 

@@ -8,3 +8,5 @@ IN, OUT, GIN, GOUT = range(4)  # module input, output, input gradient, output gr
 ROLES = 4
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16")
 FORWARD, BACKWARD = "forward", "backward"
+# the model's own input (the root module's IN slot): NaN/+inf there came with the batch
+INPUT = "input"

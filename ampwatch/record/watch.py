@@ -240,6 +240,10 @@ class Watch:
             return
         losses = self.state.logged_losses or self.state.losses
         bad = bad_losses(losses)
+        if bad is None and not self._scaling and self._reads_free and self.grads.known_bad():
+            # no loss to tell (no scaler, none logged) and non-finite gradients, which no scale made:
+            # every micro-batch kept, as with one loss logged for the step
+            bad, losses = [0], [None]
         if not bad:
             return
         # a loss per forward: the micro-batches whose loss went bad; else (one loss logged for the

@@ -95,7 +95,7 @@ def m001_initial(db: Database) -> None:
         CREATE TABLE events (
             id INTEGER PRIMARY KEY,
             step INTEGER NOT NULL,
-            phase TEXT NOT NULL,             -- forward | backward | param_grad | loss
+            phase TEXT NOT NULL,             -- forward | backward | param_grad | loss | input (what the model was fed)
             module TEXT NOT NULL,
             kind TEXT NOT NULL,              -- nan | inf | nan+inf
             count INTEGER,                   -- non-finite elements (NULL when not counted)

@@ -5,6 +5,7 @@ import formatting
 import loaders
 import state
 from ampwatch.dashboard import figures
+from ampwatch.doctor.origins import place
 from ampwatch.doctor.warmup import WARMUP_NOTE
 
 path, key, row = state.page_run()
@@ -48,7 +49,7 @@ st.plotly_chart(figures.ranks_figure(view.steps, view.global_steps, view.first, 
                 key="ranks_chart", on_select=_picked, selection_mode="points")
 if view.first:
     fst = view.first
-    where = f"{fst['module']} ({fst['phase']})" if fst["module"] else "its loss or grad norm"
+    where = place(fst["module"], fst["phase"]) if fst["module"] else "its loss or grad norm"
     others = [r for r in fst["ranks"] if r != fst["rank"]]
     st.markdown(f"**First NaN/Inf:** rank {fst['rank']} at step {fst['step']:,}, {where}"
                 + (f", micro-batch {fst['micro_batch']}" if fst["micro_batch"] is not None else "")

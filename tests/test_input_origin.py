@@ -1,0 +1,102 @@
+"""A batch that brings NaN/Inf in: the recorder names the model's own input as the origin (an
+``input`` event on ``<model>``), so the doctor says so from the module values alone, with no bytes
+saved and no loss logged, on a step between ``layer_every`` steps and on an observed one, with or
+without a GradScaler. Ground truth: the one value the loop wrote into its batch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ampwatch
+from ampwatch.doctor.skips import classify
+from ampwatch.doctor.facts import Facts
+
+
+def _bf16_loop(path, bad_step, value=float("nan"), *, save=False, log=False, steps=12):
+    """bf16 autocast, AdamW, no scaler: nothing skips the bad step. Returns the inputs fed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fed = {}
+    with ampwatch.attach(model, opt, path=path, layer_every=5, save_batches=save) as watch:
+        for step in range(steps):
+            x = torch.randn(4, 8)
+            if step == bad_step:
+                x[1, 2] = value
+            fed[step] = x.clone()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            if log:
+                watch.log(loss=loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return fed
+
+
+@pytest.mark.parametrize("bad_step", [7, 10], ids=["between-observed-steps", "observed-step"])
+def test_a_nan_in_the_batch_is_born_in_the_models_input_without_a_loss_or_saved_bytes(tmp_path, record_path, bad_step):
+    path = tmp_path / "run.sqlite"
+    _bf16_loop(path, bad_step)
+    run = ampwatch.load(path)
+    assert run.batches.empty  # the premise: nothing to read the NaN from but the module values
+    ev = run.events
+    at = ev[ev["step"] == bad_step]
+    born = at[at["origin"].astype(bool)]
+    assert list(zip(born["phase"], born["module"], born["kind"])) == [("input", "<model>", "nan")]
+    assert born["dtype"].iloc[0] == "float32"  # the batch's own dtype, before autocast
+    if record_path == "host":  # exact counts where reads are free: the one value written
+        assert int(born["count"].iloc[0]) == 1
+    # the first module's output is NaN too, but its input was not finite: it made nothing
+    assert ((at["phase"] == "forward") & (at["module"] == "0")).any()
+    assert not (ev[ev["step"] < bad_step]["kind"].notna()).any()  # nothing before the bad step
+    first = ampwatch.diagnose(run)[0]
+    assert (first.id, first.title) == ("nonfinite-origin", f"NaN in the model's input batch at step {bad_step}")
+    assert "before any module ran" in first.evidence and "The data is the cause" in first.advice
+    assert "param_grad" not in first.title and "Loss" not in first.title
+
+
+def test_on_the_host_path_a_bad_step_without_a_loss_keeps_its_batch(tmp_path):
+    """No scaler and no logged loss: the step's non-finite gradients (free to read on the CPU) say it
+    went bad, and its input is saved byte for byte; the doctor reads the NaN from those bytes."""
+    path = tmp_path / "run.sqlite"
+    fed = _bf16_loop(path, 7, save=True)
+    run = ampwatch.load(path)
+    assert 7 in set(run.batches["step"]) and not (run.batches["step"] < 7).any()
+    assert run.batch(7)["args[0]"].tobytes() == fed[7].numpy().tobytes()
+    first = ampwatch.diagnose(run)[0]
+    assert first.title == "NaN in the model's input batch at step 7"
+    assert "args[0] holds 1 NaN of 32 values" in first.evidence  # read back from the saved bytes
+
+
+def test_an_inf_batch_under_a_grad_scaler_is_neither_a_probe_nor_the_scales_doing(tmp_path, record_path):
+    """fp16 + GradScaler: +inf fed at step 9 is skipped like any overflow; the skip is put down to the
+    batch, never to the scale probing its ceiling, and the doctor does not tell to lower the scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    path = tmp_path / "run.sqlite"
+    with ampwatch.attach(model, opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3),
+                         path=path, layer_every=5, save_batches=False) as watch:
+        for step in range(14):
+            x = torch.randn(4, 8)
+            if step == 9:
+                x[0, 0] = float("inf")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            watch.scaler.scale(loss).backward()
+            watch.scaler.step(opt)
+            watch.scaler.update()
+            opt.zero_grad()
+    run = ampwatch.load(path)
+    assert list(run.steps.index[run.steps["skipped"].astype(bool)]) == [9]  # the premise
+    born = run.events[run.events["origin"].astype(bool)]
+    assert list(zip(born["step"], born["phase"], born["kind"])) == [(9, "input", "inf")]
+    with Facts.open(run) as facts:
+        skips = classify(facts)
+    assert list(skips["step"]) == [9] and list(skips["label"]) == ["the model's input batch"]
+    assert not skips["probe"].any()  # the scale had grown before step 9, yet the batch did this
+    first = ampwatch.diagnose(run)[0]
+    assert first.title == "Inf in the model's input batch at step 9", first.title
+    assert np.isinf(run.steps["loss"].iloc[9]) or np.isnan(run.steps["loss"].iloc[9])
