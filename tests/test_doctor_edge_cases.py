@@ -431,3 +431,42 @@ def test_a_weight_blown_up_by_sgd_updates_is_not_called_overwritten(tmp_path):
     assert after >= 10 * before  # the jump, measured by the loop
     assert float(m.group(5).replace(",", "")) == pytest.approx(after, rel=0.01)
     assert sum(moved[s][name] for s in range(s0, s1)) >= 0.99 * (after - before)  # optimizer.step() moved it there
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_a_run_without_a_loss_says_so_and_how_to_record_it(tmp_path, logged):
+    """bf16 without a scaler: the loss arrives only through watch.log. A loop that never calls it
+    gets an info finding and a summary line that say so, not 'the loss stayed finite'; a NaN fed at
+    step 5 is still placed (the model's input), as the module values need no loss."""
+    from click.testing import CliRunner
+    from ampwatch.cli.main import cli
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    path = tmp_path / "run.sqlite"
+    with ampwatch.attach(model, opt, path=path, layer_every=4) as watch:
+        for step in range(8):
+            x = torch.randn(4, 8)
+            if step == 5:
+                x[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            if logged:
+                watch.log(loss=loss)
+            opt.step()
+            opt.zero_grad()
+    run = ampwatch.load(path)
+    assert run.steps["loss"].notna().any() == logged  # the premise
+    found = {f.id: f for f in diagnose(run)}
+    assert found["nonfinite-origin"].title == "NaN in the model's input batch at step 5"
+    summary = CliRunner().invoke(cli, ["summary", str(path)]).output
+    if logged:
+        assert "no-loss" not in found
+        assert "(loss first NaN/inf at step 5)" in summary
+    else:
+        f = found["no-loss"]
+        assert f.severity == "info" and f.title == "No loss was recorded"
+        assert "8 steps, none with a loss" in f.evidence and "watch.log(loss=loss)" in f.advice
+        assert "(no loss recorded: watch.log(loss=loss) records it)" in summary
+        assert "stayed finite" not in summary

@@ -150,7 +150,9 @@ def _nonfinite_line(s: dict) -> str:
     unknown = (f"; step {s['unfinished_step']}'s was not recorded"
                if s.get("unfinished_step") is not None and not s.get("unfinished_loss") else "")
     return (f"nonfinite first at step {s['first_nonfinite_step']}  "
-            + (f"(loss first NaN/inf at step {loss})" if loss is not None else f"(the loss stayed finite{unknown})"))
+            + (f"(loss first NaN/inf at step {loss})" if loss is not None else
+               "(no loss recorded: watch.log(loss=loss) records it)" if s["loss_first"] is None and s["loss_last"] is None
+               else f"(the loss stayed finite{unknown})"))
 
 
 def _memory_lines(s: dict) -> list[str]:

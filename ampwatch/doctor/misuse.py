@@ -50,6 +50,15 @@ def misuse_config(facts: Facts) -> list[Finding]:
             "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update() "
             "(or bf16 autocast).",
             jump=(first, last)))
+    if not facts.has_loss:
+        out.append(facts.finding(
+            "no-loss", "info", "No loss was recorded", first, last,
+            f"{counted(len(facts.steps), 'step')}, none with a loss: "
+            + ("the GradScaler scaled none" if scaler else "without a GradScaler the loss arrives only through "
+               "watch.log(loss=...), and it was never called"),
+            "Pass the loss each step: watch.log(loss=loss) after loss.backward() (the Hugging Face and Lightning "
+            "callbacks do it themselves). Without it the doctor cannot see the loss diverge or spike, nor a NaN "
+            "loss whose gradients stayed finite, and the charts have no loss to draw.", jump=(first, last)))
     if scaler and not dtype:
         out.append(facts.finding(
             "misuse-scaler-no-autocast", "info", "GradScaler enabled but no autocast was seen",
