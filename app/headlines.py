@@ -19,6 +19,8 @@ def origin_finding(found: list[dict]) -> dict | None:
 
 
 def _event_text(e: Any) -> str:
+    if e["phase"] == "input":  # the batch brought it: no module
+        return f"**the model's input batch** ({e['kind']}) at step {e['step']}"
     return f"**{e['module']}** ({e['phase']}, {e['kind']}) at step {e['step']}"
 
 

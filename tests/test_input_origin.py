@@ -100,3 +100,23 @@ def test_an_inf_batch_under_a_grad_scaler_is_neither_a_probe_nor_the_scales_doin
     first = ampwatch.diagnose(run)[0]
     assert first.title == "Inf in the model's input batch at step 9", first.title
     assert np.isinf(run.steps["loss"].iloc[9]) or np.isnan(run.steps["loss"].iloc[9])
+
+
+def test_the_events_page_names_the_batch_not_a_module(tmp_path, restore_runs_env):
+    import os
+    from pathlib import Path
+    from streamlit.testing.v1 import AppTest
+    _bf16_loop(tmp_path / "bad.sqlite", 7, log=True)
+    os.environ["AMPWATCH_RUNS"] = str(tmp_path)
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "streamlit_app.py"),
+                           default_timeout=60)
+    at.query_params["run"] = "bad.sqlite"
+    at.run()
+    at.switch_page("app_pages/events.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(w.value for w in at.warning)
+    assert "Root cause (doctor): **NaN in the model's input batch at step 7**" in text
+    assert "**the model's input batch** (nan) at step 7" in text and "<model>" not in text
+    table = next(d.value for d in at.dataframe if "phase" in d.value.columns)
+    assert table.iloc[0][["step", "phase", "module"]].tolist() == [7, "input", "<model>"]  # origin first
