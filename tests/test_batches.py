@@ -306,19 +306,29 @@ def test_the_step_inspector_shows_and_hands_over_the_saved_inputs(tmp_path, rest
     assert arrays["mb0/args[0]"].tobytes() == fed[(7, 0)].numpy().tobytes()
 
 
-@pytest.mark.parametrize("path_kind", ["host", "accelerator"])
-def test_under_ddp_the_rank_whose_batch_brought_the_nan_keeps_it(tmp_path, path_kind):
+@pytest.mark.parametrize("path_kind,precision", [("host", "fp16"), ("accelerator", "fp16"), ("accelerator", "bf16")])
+def test_under_ddp_the_rank_whose_batch_brought_the_nan_keeps_it(tmp_path, path_kind, precision):
     """2 gloo ranks: rank 1's input holds a NaN at step 4. DDP all-reduces the NaN gradient, so both
-    ranks skip the step; only rank 1's loss is NaN, so only rank 1's file keeps its batch."""
+    ranks skip the step (fp16: a GradScaler); only rank 1's forward went NaN, so only rank 1's file
+    keeps its batch. bf16 on the accelerator path: nothing skips and no loss is logged, so the host
+    knows nothing without a read; the step's module values (every step is observed under DDP) say
+    at the writer that rank 1's forward went bad, and it is saved there."""
     from helpers.ports import free_port
     worker = Path(__file__).parent / "helpers" / "nan_rank_worker.py"
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), free_port(), path_kind],
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), free_port(), path_kind, precision],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rank0, rank1 = (ampwatch.load(tmp_path / f"job.rank{r}.sqlite") for r in (0, 1))
-    assert bool(rank0.steps["skipped"][4]) and bool(rank1.steps["skipped"][4])  # the premise
-    assert rank0.batches.empty
+    if precision == "fp16":
+        assert bool(rank0.steps["skipped"][4]) and bool(rank1.steps["skipped"][4])  # the premise
+    else:  # the NaN update reached both ranks' weights: every later forward is NaN on both
+        assert not rank0.steps["skipped"].any() and rank0.steps["loss"].isna().all()  # the premise
     saved = rank1.batches
+    if precision == "bf16":  # rank 0's later steps went bad through the weights: not its batch's doing
+        assert not (rank0.events["phase"] == "input").any() and set(rank0.batches["step"]) <= {5, 6, 7}
+        saved = saved[saved["step"] == 4]
+    else:
+        assert rank0.batches.empty
     assert list(saved["step"]) == [4] and list(saved["name"]) == ["args[0]"]
     assert saved["sha256"].iloc[0] == (tmp_path / "truth.txt").read_text()
     assert ampwatch.diagnose(rank1)[0].title == "NaN in the model's input batch at step 4"

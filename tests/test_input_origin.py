@@ -57,16 +57,20 @@ def test_a_nan_in_the_batch_is_born_in_the_models_input_without_a_loss_or_saved_
     assert "param_grad" not in first.title and "Loss" not in first.title
 
 
-def test_on_the_host_path_a_bad_step_without_a_loss_keeps_its_batch(tmp_path):
-    """No scaler and no logged loss: the step's non-finite gradients (free to read on the CPU) say it
-    went bad, and its input is saved byte for byte; the doctor reads the NaN from those bytes."""
+@pytest.mark.parametrize("bad_step", [7, 10], ids=["between-observed-steps", "observed-step"])
+def test_a_bad_step_without_a_scaler_or_a_loss_keeps_its_batch(tmp_path, record_path, bad_step):
+    """No scaler and no logged loss. The CPU reads the step's non-finite gradients for free; on the
+    accelerator path a step between observed ones is replayed, and an observed one (step 10, module
+    values measured live, its update not held back) is told by its module values at the writer,
+    with no read on the training thread. Its input is saved byte for byte either way, and the
+    doctor reads the NaN from those bytes."""
     path = tmp_path / "run.sqlite"
-    fed = _bf16_loop(path, 7, save=True)
+    fed = _bf16_loop(path, bad_step, save=True)
     run = ampwatch.load(path)
-    assert 7 in set(run.batches["step"]) and not (run.batches["step"] < 7).any()
-    assert run.batch(7)["args[0]"].tobytes() == fed[7].numpy().tobytes()
+    assert bad_step in set(run.batches["step"]) and not (run.batches["step"] < bad_step).any()
+    assert run.batch(bad_step)["args[0]"].tobytes() == fed[bad_step].numpy().tobytes()
     first = ampwatch.diagnose(run)[0]
-    assert first.title == "NaN in the model's input batch at step 7"
+    assert first.title == f"NaN in the model's input batch at step {bad_step}"
     assert "args[0] holds 1 NaN of 32 values" in first.evidence  # read back from the saved bytes
 
 

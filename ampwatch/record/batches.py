@@ -14,9 +14,12 @@ free (the CPU), and where every step is observed (DDP, FSDP, ``replay=False``), 
 root keeps a reference to each micro-batch's arguments until the step ends (no copy; on a device
 the latest only, as holding the others would hold device memory the loop had freed), and the
 step's losses say which went bad: read for free on the CPU (the pack's loss), and elsewhere only
-on a step the scaler skipped (the host knows that already). A run that crashes inside a step
-saves every micro-batch kept for it: a loop that raises on the NaN loss it saw raises before the
-scaler sees that loss. Gradient overflows with a finite loss (the scaler probing its ceiling)
+on a step the scaler skipped (the host knows that already). Elsewhere, on a step whose module
+values are measured live, the latest micro-batch goes to the writer thread by reference with the
+step's pack, and is saved there when those values say its forward went bad (the model's input or
+output non-finite): no read on the training thread (``packing.PackReader``). A run that crashes
+inside a step saves every micro-batch kept for it: a loop that raises on the NaN loss it saw raises
+before the scaler sees that loss. Gradient overflows with a finite loss (the scaler probing its ceiling)
 save nothing: they are the scale's doing, not the batch's.
 
 Budget: the first :data:`MAX_STEPS` such steps, at most :data:`STEP_BYTES` a step and
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from typing import Any, Iterator, Optional
 
 import torch
@@ -69,6 +73,9 @@ class BatchSaver:
     def __init__(self) -> None:
         self.steps_saved = 0
         self.bytes_saved = 0
+        # the training thread saves what the host knows is bad, the writer thread what the module
+        # values say (packing.PackReader): one budget
+        self._lock = threading.Lock()
 
     @property
     def full(self) -> bool:
@@ -78,19 +85,20 @@ class BatchSaver:
         """Rows ``(step, micro_batch, name, dtype, shape, nbytes, sha256, data)`` for ``calls``,
         each ``(micro_batch, args, kwargs)``. A copy to the host per tensor (a sync on an
         accelerator): on a bad step only."""
-        if self.full or not calls:
-            return []
-        self.steps_saved += 1
-        step_bytes, out = 0, []
-        for micro_batch, args, kwargs in calls:
-            for count, (name, t) in enumerate(named_tensors(args, kwargs)):
-                if count >= MAX_TENSORS:
-                    break
-                row = self._row(step, micro_batch, name, t, step_bytes)
-                step_bytes += row[5] if row[7] is not None else 0
-                out.append(row)
-        self.bytes_saved += step_bytes
-        return out
+        with self._lock:
+            if self.full or not calls:
+                return []
+            self.steps_saved += 1
+            step_bytes, out = 0, []
+            for micro_batch, args, kwargs in calls:
+                for count, (name, t) in enumerate(named_tensors(args, kwargs)):
+                    if count >= MAX_TENSORS:
+                        break
+                    row = self._row(step, micro_batch, name, t, step_bytes)
+                    step_bytes += row[5] if row[7] is not None else 0
+                    out.append(row)
+            self.bytes_saved += step_bytes
+            return out
 
     def _row(self, step: int, micro_batch: int, name: str, t: torch.Tensor, step_bytes: int) -> tuple:
         t = torch_access.local(t.detach())

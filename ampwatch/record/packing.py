@@ -7,6 +7,7 @@ runs on the training thread.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -19,6 +20,8 @@ from . import origins
 from .healthy import HealthyRows, slot_amax
 from ..store.rows import Rows
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
+
+log = logging.getLogger("ampwatch")
 
 
 @dataclass
@@ -43,6 +46,9 @@ class StepPack:
     host_stats: bool = False           # the module stats are hoststats.HostStats' doubles (free reads)
     scalars: Optional[list[float]] = None  # free reads: the scalars as read (then flat holds only the stats)
     fp8: Any = None                    # fp8.Fp8Values of a layer_every step of a run with fp8 layers
+    # an observed step's kept root inputs, ``(micro_batch, args, kwargs)`` references, where the host
+    # could not tell without a read whether its forward went bad: the module values tell here
+    inputs: Optional[list] = None
 
 
 def _nullable(x: Optional[float]) -> Optional[float]:
@@ -79,6 +85,8 @@ class PackReader:
         self.module_names = module_names
         self.layer_every = layer_every
         self._healthy = HealthyRows(len(module_names))
+        self.batch_saver: Any = None  # batches.BatchSaver, shared with the training thread (locked)
+        self._root = module_names.index("<model>") if "<model>" in module_names else None
 
     def rows(self, pack: StepPack) -> Rows:
         if pack.ready is not None:
@@ -146,9 +154,29 @@ class PackReader:
                                None, None, None, None, None, None))
         if pack.loc is not None:
             self._localization_rows(pack, analysis, out)
+        if pack.inputs is not None:
+            calls, pack.inputs = pack.inputs, None  # the references go with this step
+            self._brought_inputs(pack.step, analysis, calls, out)
         if pack.fp8 is not None:
             out.fp8_layers.extend(pack.fp8.rows())
         return out
+
+    def _brought_inputs(self, step: int, analysis: "_Analysis", calls: list, out: Rows) -> None:
+        """Save the kept micro-batch whose forward the module values say went non-finite: the
+        model's input held NaN/+inf, or its output did. Only a step whose analysis already ran (it
+        had non-finite module values) is looked at: a healthy step costs nothing here."""
+        found = analysis.computed
+        if found is None or self._root is None or self.batch_saver is None:
+            return
+        _, stats, _ = found
+        bad = stats.get((self._root, origins.INPUT)) or stats.get((self._root, origins.FORWARD))
+        if bad is None or not bad.nonfinite:
+            return
+        picked = [call for call in calls if call[0] == (bad.micro_batch or 0)]
+        try:
+            out.batches.extend(self.batch_saver.rows(step, picked))
+        except Exception as exc:  # an input that cannot be copied to the host: the step's rows stay
+            log.warning("ampwatch: the inputs of step %d were not saved: %s: %s", step, type(exc).__name__, exc)
 
     def _grad_name(self, analysis: "_Analysis", pid: int) -> str:
         """The name of a parameter with a non-finite gradient; for a tied one, the name under the
@@ -269,6 +297,12 @@ class _Analysis:
         self.loc = pack.loc
         self._values: Optional[dict] = None
         self._result: Optional[tuple] = None
+
+    @property
+    def computed(self) -> Optional[tuple]:
+        """(slot values, stats, origins) where the analysis ran (a step with non-finite module
+        values, or a tied gradient's owner asked), else None; never computes it."""
+        return self._result
 
     def _raw(self) -> tuple[torch.Tensor, int, int]:
         """The stats' bytes (then the micro-batch marks), the number of slots and the stats' size."""

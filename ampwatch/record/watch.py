@@ -128,6 +128,7 @@ class Watch:
         self.replayer: Optional[replay.Replayer] = None
         self._batch_saver = BatchSaver() if self.options["save_batches"] else None
         self._root_inputs: Optional[RootInputs] = None  # where no replay keeps a step's inputs
+        self._observed_inputs: list = []  # an observed step's latest micro-batch, past the replay's release
         self.fp8: Optional[fp8.Fp8Recorder] = None
         self._scaler_hooks = ScalerHooks(self, scaler) if scaler is not None else None
         info = describe_run(model, self.optimizer, scaler, name, config, self.options, self._params)
@@ -192,6 +193,7 @@ class Watch:
         packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
                            [len(names) + i for i in range(len(module_names))], module_names,
                            self.options["layer_every"], tied, scaler_checked=checked)
+        packs.batch_saver = self._batch_saver  # the module values decide an observed step's (undecided_inputs)
         mirror = None
         if self.options["mirror"] is not None and self._open_mirror is not None:
             # the tracker is fed from the writer thread; the faces hand us how to open it
@@ -221,23 +223,27 @@ class Watch:
         if rows:
             self.writer.put_rows(Rows(batches=rows))
 
-    def _save_bad_live_inputs(self, in_progress: bool = False, crashed: bool = False, loss_bad: bool = False) -> None:
+    def _save_bad_live_inputs(self, in_progress: bool = False, crashed: bool = False, loss_bad: bool = False
+                              ) -> Optional[list]:
         """The step ends (or the run closes mid-step, ``in_progress``): when its loss is non-finite,
         save the micro-batches whose loss was. The losses are read where reads are free, on a step
         the scaler skipped (the host knows already) and at close; a healthy step reads nothing
         (``loss_bad``: the step's loss, read for the pack where reads are free, is not finite). A
         run that ``crashed`` mid-step saves every micro-batch the step ran: a loop that raises on
-        the NaN loss it saw raises before the scaler sees it, and any crash is reproduced from them."""
+        the NaN loss it saw raises before the scaler sees it, and any crash is reproduced from them.
+        Returns the kept micro-batches where the host cannot tell without a read (a step the scaler
+        did not skip, on an accelerator): the step's module values may tell (:meth:`_undecided_inputs`)."""
         kept = self._root_inputs.calls if self._root_inputs is not None else \
             [(i, b.args, b.kwargs) for i, b in enumerate(self.replayer.batches)] if self.replayer is not None else []
+        kept = kept or self._observed_inputs
         if not kept or self._batch_saver is None or self._batch_saver.full:
-            return
+            return None
         if in_progress and crashed:
             self._save_inputs(kept)
-            return
+            return None
         skipped = self._scaling and not self._fused and self.state.scaler_stepped and not self.state.stepped
         if not (in_progress or skipped or loss_bad or (self._reads_free and self.grads.known_bad())):
-            return
+            return None if self._reads_free else kept
         losses = self.state.logged_losses or self.state.losses
         bad = bad_losses(losses)
         if bad is None and not self._scaling and self._reads_free and self.grads.known_bad():
@@ -245,12 +251,13 @@ class Watch:
             # every micro-batch kept, as with one loss logged for the step
             bad, losses = [0], [None]
         if not bad:
-            return
+            return None
         # a loss per forward: the micro-batches whose loss went bad; else (one loss logged for the
         # step) every micro-batch kept
         calls = self._root_inputs.count if self._root_inputs is not None else len(kept)
         picked = set(bad) if len(losses) == calls else None
         self._save_inputs([call for call in kept if picked is None or call[0] in picked])
+        return None
 
     def _install(self) -> None:
         opt, model = self.optimizer, uncompiled(self.model)
@@ -330,6 +337,7 @@ class Watch:
             self.replayer.remove()
         if self._root_inputs is not None:
             self._root_inputs.remove()
+        self._observed_inputs = []
         if self.fp8 is not None:
             self.fp8.disarm()
         # nothing held is settled any more: a kept copy of the weights goes now, not with the watch
@@ -656,6 +664,11 @@ class Watch:
             # and output gradients (a large vocabulary's logits gradient) go now, not at the step's
             # end, and stay out of the optimizer's peak. A fused optimizer may still skip inside
             # its kernel: its step keeps them, unless it is observed live (then never replayed)
+            if self.observer.observing and self.replayer.batches and self._batch_saver is not None:
+                # observed live: its module values say at the writer whether its forward went bad
+                # (the latest micro-batch only, its arguments only: nothing the loop had freed)
+                b = self.replayer.batches[-1]
+                self._observed_inputs = [(len(self.replayer.batches) - 1, b.args, b.kwargs)]
             self.replayer.release()
 
     def _replay_if_bad(self, optimizer: Any, plain_call: bool = True) -> None:
@@ -789,10 +802,14 @@ class Watch:
         if scalars is None:
             scalars = pack_scalars(self, None, None)
         pack = pack_step(self, scalars, now)
-        if (self._root_inputs is not None and self._root_inputs.calls) or (
+        if (self._root_inputs is not None and self._root_inputs.calls) or self._observed_inputs or (
                 not self.state.stepped and self.replayer is not None and self.observer.observing):
             # a live step's (a replayed one's are saved by the replay)
-            self._save_bad_live_inputs(loss_bad=_host_loss_bad(scalars))
+            undecided = self._save_bad_live_inputs(loss_bad=_host_loss_bad(scalars))
+            if undecided and self.observer is not None and self.observer.observing and pack.loc:
+                # the writer reads the module values anyway: it saves them if the forward went bad
+                pack.inputs = list(undecided)
+            self._observed_inputs = []
         if self.fp8 is not None and self.fp8.armed:  # a layer_every step: its fp8 values, disarmed
             pack.fp8 = self.fp8.take(self.step)
         if self._held is not None:  # no optimizer step settled it: it goes first, as late as it can
@@ -898,6 +915,7 @@ class Watch:
             self.replayer.remove()
         if self._root_inputs is not None:
             self._root_inputs.remove()
+        self._observed_inputs = []
         if self.fp8 is not None:
             self.fp8.disarm()
         copies.release(self._copy_safe)
