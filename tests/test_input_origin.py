@@ -124,3 +124,35 @@ def test_the_events_page_names_the_batch_not_a_module(tmp_path, restore_runs_env
     assert "**the model's input batch** (nan) at step 7" in text and "<model>" not in text
     table = next(d.value for d in at.dataframe if "phase" in d.value.columns)
     assert table.iloc[0][["step", "phase", "module"]].tolist() == [7, "input", "<model>"]  # origin first
+
+
+class _Cleans(torch.nn.Module):
+    """Takes NaN-padded inputs and replaces the NaN before any arithmetic: NaN in, nothing wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.nan_to_num(x, nan=0.0))
+
+
+def test_a_model_that_cleans_nan_from_its_inputs_is_not_flagged(tmp_path, record_path):
+    torch.manual_seed(0)
+    model = _Cleans()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    path = tmp_path / "run.sqlite"
+    with ampwatch.attach(model, opt, torch.amp.GradScaler("cpu"), path=path, layer_every=2) as watch:
+        for step in range(6):
+            x = torch.randn(4, 8)
+            x[:, 6:] = float("nan")  # padding, on every step
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            watch.scaler.scale(loss).backward()
+            watch.scaler.step(opt)
+            watch.scaler.update()
+            opt.zero_grad()
+    run = ampwatch.load(path)
+    assert run.steps["loss"].notna().all() and not run.steps["skipped"].any()  # the premise: healthy
+    assert run.events.empty
+    assert all(f.severity == "info" for f in ampwatch.diagnose(run))
