@@ -138,6 +138,9 @@ class _Cleans(torch.nn.Module):
 
 
 def test_a_model_that_cleans_nan_from_its_inputs_is_not_flagged(tmp_path, record_path):
+    """NaN padding on every step, cleaned before any arithmetic: healthy steps stay without events,
+    and a step whose fault is elsewhere (step 4: a weight of fc set to inf, so fc's forward makes
+    inf from finite inputs) is put down to fc, not to the batch."""
     torch.manual_seed(0)
     model = _Cleans()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -146,13 +149,23 @@ def test_a_model_that_cleans_nan_from_its_inputs_is_not_flagged(tmp_path, record
         for step in range(6):
             x = torch.randn(4, 8)
             x[:, 6:] = float("nan")  # padding, on every step
+            if step == 4:
+                with torch.no_grad():
+                    model.fc.weight[0, 0] = float("inf")
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).float().pow(2).mean()
             watch.scaler.scale(loss).backward()
             watch.scaler.step(opt)
             watch.scaler.update()
             opt.zero_grad()
+            if step == 4:
+                with torch.no_grad():
+                    model.fc.weight[0, 0] = 0.5
     run = ampwatch.load(path)
-    assert run.steps["loss"].notna().all() and not run.steps["skipped"].any()  # the premise: healthy
-    assert run.events.empty
-    assert all(f.severity == "info" for f in ampwatch.diagnose(run))
+    steps = run.steps
+    assert list(steps.index[steps["skipped"].astype(bool)]) == [4]  # the premise: one bad step
+    assert set(run.events["step"]) == {4} and not (run.events["phase"] == "input").any()
+    born = run.events[run.events["origin"].astype(bool)]
+    assert list(zip(born["phase"], born["module"])) == [("forward", "fc")]
+    first = ampwatch.diagnose(run)[0]
+    assert first.title.startswith("Inf born in fc (Linear, forward) at step 4"), first.title

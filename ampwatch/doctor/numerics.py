@@ -248,9 +248,12 @@ def fp32_verdict(e: pd.Series, dtype: str, cls: Optional[str] = None) -> tuple[s
 def nonfinite_origin(facts: Facts) -> list[Finding]:
     """Error: the first step where NaN/Inf was born (outside warm-up): module, phase, kind."""
     ev = _serious_events(facts)
-    # a batch that brought NaN/Inf in: no module is its origin (their inputs were not finite), so
-    # no event is serious; the saved bytes say it, before any origin they may hide
-    brought = [s for s in facts.saved_input_steps if facts.nonfinite_inputs(s)]
+    # a batch that brought NaN/Inf in, read from its saved bytes: said before any origin they may
+    # hide (the recorder's `input` event says it without them), unless a module made NaN/Inf of its
+    # own from finite inputs on that step: a model that cleans NaN-padded inputs first is fed NaN
+    # on every step, and then the fault is that module's
+    made = set(ev.loc[(ev["phase"] == "forward") & ev["origin"], "step"]) if len(ev) else set()
+    brought = [s for s in facts.saved_input_steps if s not in made and facts.nonfinite_inputs(s)]
     if brought and (not len(ev) or brought[0] <= int(ev["step"].min())):
         first = brought[0]
         later = facts.events[facts.events["step"] >= first]["step"] if len(facts.events) else []

@@ -180,9 +180,11 @@ def analyse(values: dict[int, SlotValue], aliases: dict, order: Optional[list[in
                 bwd.append(m)
                 seen[m] = _seen_at(m, values, gins[m], rank)
     found = {FORWARD: _pick(fwd, names, rank, False), BACKWARD: _pick(bwd, names, seen, True)}
-    # only where it went somewhere: a model that cleans its inputs first (nan_to_num, a mask that
-    # drops NaN-padded positions) is fed NaN on every healthy step, and nothing is wrong there
-    root = _brought_in(values, ins, names) if any(s.nonfinite for s in stats.values()) else None
+    # only where it went on through the forward and no module made one of its own: a model that
+    # cleans its inputs first (nan_to_num, a mask that drops NaN-padded positions) is fed NaN on
+    # every step, healthy or not, and then its fault is elsewhere (a module's overflow, the loss)
+    went_on = found[FORWARD] is None and any(s.nonfinite for (_, phase), s in stats.items() if phase == FORWARD)
+    root = _brought_in(values, ins, names) if went_on else None
     if root is not None:
         stats[(root, INPUT)] = _stat(_fold(values, ins[root]))  # type: ignore[arg-type]
         found[INPUT] = root
@@ -192,8 +194,8 @@ def analyse(values: dict[int, SlotValue], aliases: dict, order: Optional[list[in
 def _brought_in(values: dict[int, SlotValue], ins: list[list[int]], names: list[str]) -> Optional[int]:
     """The root module (``<model>``) when the model's own floating inputs held NaN or +inf: the
     batch brought them, before any module ran. An input that is only -inf below finite values is
-    left out: an additive attention mask holds -inf on purpose. Asked only on a step where some
-    module value went non-finite too."""
+    left out: an additive attention mask holds -inf on purpose. Asked only on a step whose forward
+    values went non-finite too, with no module origin of their own."""
     if "<model>" not in names:
         return None
     root = names.index("<model>")
