@@ -54,6 +54,7 @@ def test_a_nan_in_the_batch_is_born_in_the_models_input_without_a_loss_or_saved_
     first = ampwatch.diagnose(run)[0]
     assert (first.id, first.title) == ("nonfinite-origin", f"NaN in the model's input batch at step {bad_step}")
     assert "before any module ran" in first.evidence and "The data is the cause" in first.advice
+    assert "its bytes are not in the run file (save_batches=False" in first.evidence
     assert "param_grad" not in first.title and "Loss" not in first.title
 
 

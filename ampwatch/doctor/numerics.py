@@ -338,8 +338,16 @@ def _input_event_origin(facts: Facts, e: pd.Series, first: int, bad_steps: list[
     dtype = f" ({e['dtype']})" if isinstance(e["dtype"], str) else ""
     micro = f" (micro-batch {int(e['micro_batch'])})" if pd.notna(e.get("micro_batch")) and e["micro_batch"] else ""
     title = f"{kind} in the model's input batch at step {first:,}"
+    saved = facts.saved_input_steps
+    if first in saved:
+        unsaved = ""
+    elif saved and saved[-1] < first:
+        unsaved = (f"; its bytes are not in the run file, which kept the inputs of the first bad steps only "
+                   f"({counted(len(saved), 'step')})")
+    else:
+        unsaved = "; its bytes are not in the run file (save_batches=False, or its inputs were not kept on that step)"
     evidence = (f"step {first:,}: the model's floating-point inputs{micro} held {count}{e['kind']} {values}{dtype}"
-                f" as its forward began, before any module ran. Non-finite values at "
+                f" as its forward began, before any module ran{unsaved}. Non-finite values at "
                 f"{counted(len(bad_steps), 'step')} ({span(bad_steps[0], bad_steps[-1])})")
     return facts.finding("nonfinite-origin", "error", title, first, bad_steps[-1], evidence, INPUT_FIX + "."
                          + facts.saved_inputs_text(first), jump=facts.jump(first, first))
