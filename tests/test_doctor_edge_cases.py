@@ -434,7 +434,7 @@ def test_a_weight_blown_up_by_sgd_updates_is_not_called_overwritten(tmp_path):
 
 
 @pytest.mark.parametrize("logged", [False, True])
-def test_a_run_without_a_loss_says_so_and_how_to_record_it(tmp_path, logged):
+def test_a_run_without_a_loss_says_so_and_how_to_record_it(tmp_path, logged, restore_runs_env):
     """bf16 without a scaler: the loss arrives only through watch.log. A loop that never calls it
     gets an info finding and a summary line that say so, not 'the loss stayed finite'; a NaN fed at
     step 5 is still placed (the model's input), as the module values need no loss."""
@@ -470,3 +470,16 @@ def test_a_run_without_a_loss_says_so_and_how_to_record_it(tmp_path, logged):
         assert "8 steps, none with a loss" in f.evidence and "watch.log(loss=loss)" in f.advice
         assert "(no loss recorded: watch.log(loss=loss) records it)" in summary
         assert "stayed finite" not in summary
+    import os
+    from pathlib import Path
+    from streamlit.testing.v1 import AppTest
+    os.environ["AMPWATCH_RUNS"] = str(tmp_path)
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "streamlit_app.py"),
+                           default_timeout=60)
+    at.query_params["run"] = "run.sqlite"
+    at.run()
+    at.switch_page("app_pages/overview.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    infos = " ".join(i.value for i in at.info)
+    assert ("No loss was recorded" in infos) == (not logged), infos

@@ -61,7 +61,10 @@ else:
                 help="after the scaler's warm-up (its expected overflows are not counted); a gradient "
                      "overflow the scaler skipped counts: see the doctor's findings for whether it matters")
 m[4].metric("last loss", formatting.fmt(row["last_loss"]))
-if ov.steps["loss"].notna().sum() == 0:
+if any(f.get("id") == "no-loss" for f in found):  # the doctor's: nothing in the whole run
+    st.info("No loss was recorded: without a GradScaler pass it each step with watch.log(loss=loss). The loss "
+            "chart is empty; the grad norm and the NaN/inf markers are drawn.")
+elif ov.steps["loss"].notna().sum() == 0:
     st.info("Every loss in this range is NaN/inf or missing: the loss chart is empty; the markers show where.")
 log_loss = st.toggle("log loss axis", key=state.kept("log_loss", True))
 st.plotly_chart(figures.overview_figure(ov, log_loss=log_loss), width="stretch", key="overview_chart")
