@@ -159,6 +159,6 @@ def warmup_end_in(path: Any) -> int:
 def expected_overflow(path: Any, step: int, phase: Optional[str]) -> bool:
     """Whether a first NaN/Inf at ``step`` of the run file ``path``, in ``phase`` (None: seen in the
     steps table only, without localization), is the scaler's warm-up: a gradient overflow before
-    the warm-up ended. A forward pass, loss or input batch that went non-finite never is (a fault, not a scale
-    too high for the gradients). One read of the file's leading rows."""
+    the warm-up ended. A forward pass, loss or input batch that went non-finite never is (a fault,
+    not a scale too high for the gradients). One read of the file's leading rows."""
     return phase not in SCALE_FREE_PHASES and step < warmup_end_in(path)

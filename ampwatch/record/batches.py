@@ -19,8 +19,8 @@ values are measured live, the latest micro-batch goes to the writer thread by re
 step's pack, and is saved there when those values say its forward went bad (the model's input or
 output non-finite): no read on the training thread (``packing.PackReader``). A run that crashes
 inside a step saves every micro-batch kept for it: a loop that raises on the NaN loss it saw raises
-before the scaler sees that loss. Gradient overflows with a finite loss (the scaler probing its ceiling)
-save nothing: they are the scale's doing, not the batch's.
+before the scaler sees that loss. Gradient overflows with a finite loss (the scaler probing its
+ceiling) save nothing: they are the scale's doing, not the batch's.
 
 Budget: the first :data:`MAX_STEPS` such steps, at most :data:`STEP_BYTES` a step and
 :data:`RUN_BYTES` a run; a tensor beyond it is listed (name, dtype, shape) without its bytes.

@@ -193,7 +193,7 @@ class Watch:
         packs = PackReader([n["name"] for n in names], [n["type"] for n in names],
                            [len(names) + i for i in range(len(module_names))], module_names,
                            self.options["layer_every"], tied, scaler_checked=checked)
-        packs.batch_saver = self._batch_saver  # the module values decide an observed step's (undecided_inputs)
+        packs.batch_saver = self._batch_saver  # the module values decide an observed step's inputs there
         mirror = None
         if self.options["mirror"] is not None and self._open_mirror is not None:
             # the tracker is fed from the writer thread; the faces hand us how to open it
@@ -232,7 +232,8 @@ class Watch:
         run that ``crashed`` mid-step saves every micro-batch the step ran: a loop that raises on
         the NaN loss it saw raises before the scaler sees it, and any crash is reproduced from them.
         Returns the kept micro-batches where the host cannot tell without a read (a step the scaler
-        did not skip, on an accelerator): the step's module values may tell (:meth:`_undecided_inputs`)."""
+        did not skip, on an accelerator): the step's module values may tell, at the writer
+        (``packing.PackReader``)."""
         kept = self._root_inputs.calls if self._root_inputs is not None else \
             [(i, b.args, b.kwargs) for i, b in enumerate(self.replayer.batches)] if self.replayer is not None else []
         kept = kept or self._observed_inputs
