@@ -170,3 +170,42 @@ def test_a_model_that_cleans_nan_from_its_inputs_is_not_flagged(tmp_path, record
     assert list(zip(born["phase"], born["module"])) == [("forward", "fc")]
     first = ampwatch.diagnose(run)[0]
     assert first.title.startswith("Inf born in fc (Linear, forward) at step 4"), first.title
+
+
+def test_a_nan_target_is_put_down_to_the_loss_and_the_replay_stays_on(tmp_path, record_path):
+    """A regression loop whose target (outside the model) holds a NaN at step 7: the model's outputs
+    were finite, its loss was not. On the accelerator path the replay makes finite outputs again and
+    finds the loss's gradient NaN, as the step's own outputs (still held by the loop) were finite:
+    the same step, reproduced, not a transient fault, and replay stays on for later steps. The
+    doctor says the loss or its targets made it, on both paths."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    path = tmp_path / "run.sqlite"
+    fed = {}
+    with ampwatch.attach(model, opt, torch.amp.GradScaler("cpu"), path=path, layer_every=5) as watch:
+        for step in range(12):
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            if step == 7:
+                y[1, 2] = float("nan")
+            fed[step] = x.clone()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            watch.scaler.scale(loss).backward()
+            watch.scaler.step(opt)
+            watch.scaler.update()
+            opt.zero_grad()
+    run = ampwatch.load(path)
+    assert list(run.steps.index[run.steps["skipped"].astype(bool)]) == [7]  # the premise
+    assert "replay-not-reproduced" not in set(run.notices["code"])
+    ev = run.events[run.events["step"] == 7]
+    assert not ev["phase"].isin(["forward", "input"]).any()  # the model's forward stayed finite
+    assert (run.modules["step"] == 7).any()  # ... and was measured: the step was localized
+    found = ampwatch.diagnose(run)
+    first = found[0]
+    assert first.title == "Loss became NaN at step 7"
+    assert "made after the model: by the loss computation or by its targets" in first.evidence
+    assert first.advice.startswith("Check the targets (labels) of step 7")
+    assert not any(f.id in ("step-not-reproduced", "late-skips") for f in found), [f.id for f in found]
+    assert run.batch(7)["args[0]"].tobytes() == fed[7].numpy().tobytes()  # the step can be run again

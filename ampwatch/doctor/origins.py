@@ -262,6 +262,12 @@ def origin_advice(facts: Facts, module: str, phase: str, step: int, kind: str = 
             f"{first}. Then: {advice[0].lower()}{advice[1:]}")
 
 
+def _forward_went_bad(facts: Facts, step: int) -> bool:
+    """Whether any module's forward value (or the model's input) was non-finite at ``step``."""
+    ev = facts.events
+    return bool(len(ev)) and bool(((ev["step"] == step) & ev["phase"].isin(["forward", "input"])).any())
+
+
 def _origin_fix(facts: Facts, module: str, phase: str, step: int, kind: str, dtype: str) -> tuple[str, str]:
     why = facts.unlocalized(step) if phase == "loss" else None
     if why is not None and not facts.info.get("localize"):
@@ -274,6 +280,12 @@ def _origin_fix(facts: Facts, module: str, phase: str, step: int, kind: str, dty
                 + ("Later bad steps are localized live (module values are measured on every step after it); to "
                    "observe every step from the start, attach with replay=False" if "replay" in why else
                    "If it recurs, a localized bad step (one with module values) names the place"))
+    if phase == "loss" and why is None and not _forward_went_bad(facts, step):
+        return (f"; the model's outputs were finite at step {step:,} (its module values were recorded), so it was "
+                f"made after the model: by the loss computation or by its targets",
+                f"Check the targets (labels) of step {step:,} for NaN/inf: torch.isfinite(y).all() in the loader "
+                f"keeps such samples out; and compute the loss in fp32 (logits.float()) with logs and divisions "
+                f"guarded by an eps")
     if phase == "forward" and "nan" in str(kind):  # NaN, or NaN and inf
         return "", undecided_nan_advice(facts, module, dtype)
     advice = fix_for_origin(module, phase)

@@ -201,7 +201,8 @@ def lone_skips(facts: Facts) -> list[Finding]:
     gradients that overflowed once at the scale they carried."""
     k = classify(facts)
     taken = set(_recurring(facts)["step"])
-    rest = k[~k["probe"] & ~k["phase"].isin(["forward", "input"]) & ~k["step"].isin(taken)]
+    # a forward, an input batch or a loss that went non-finite is not the scale's doing: nonfinite-origin
+    rest = k[~k["probe"] & ~k["phase"].isin(SCALE_FREE_PHASES) & ~k["step"].isin(taken)]
     if not len(rest):
         return []
     steps = [int(s) for s in rest["step"]]

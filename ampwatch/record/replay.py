@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from functools import partial
 from typing import Any, Iterator, Optional
 
@@ -68,12 +69,28 @@ class _MicroBatch:
     """What one forward of the root module needs to run again: references, no copies, and the
     version counters of the tensors among its arguments, which tell whether they still hold what
     the forward saw (a loop that reuses one input buffer, ``x_buf.copy_(batch)``, overwrites them)."""
-    __slots__ = ("args", "kwargs", "rng", "autocast", "grads", "versions")
+    __slots__ = ("args", "kwargs", "rng", "autocast", "grads", "versions", "outputs")
 
     def __init__(self, args: Any, kwargs: Any, rng: tuple, autocast: tuple) -> None:
         self.args, self.kwargs, self.rng, self.autocast = args, kwargs, rng, autocast
         self.grads: dict[int, torch.Tensor] = {}  # output position -> the gradient it received
         self.versions = [(t, t._version) for t in _arg_tensors(args, kwargs)]
+        # output position -> (a weak reference to the output the forward made, its version): no
+        # memory held; while the loop still holds its outputs (``logits = model(x)``), a replay can
+        # ask whether they were finite
+        self.outputs: dict[int, tuple] = {}
+
+    def outputs_were_finite(self, positions: list[int]) -> Optional[bool]:
+        """Whether this forward's own outputs at ``positions`` were all finite (a read: on a skipped
+        step only); None where one is gone or was changed in place since."""
+        tensors = []
+        for pos in positions:
+            ref, version = self.outputs.get(pos, (None, None))
+            t = ref() if ref is not None else None
+            if t is None or t._version != version:
+                return None
+            tensors.append(t.detach())
+        return _finite(tensors) if tensors else None
 
     def check_unchanged(self, index: int) -> None:
         for t, version in self.versions:
@@ -125,6 +142,9 @@ class Replayer:
         # the last replay made finite gradients whose float32 norm overflows (see replay): what
         # made the step look bad, reproduced, with nothing non-finite to localize
         self.norm_overflow = False
+        # the last replay's micro-batches whose outputs were finite, as the step's own were, and the
+        # gradient the loss handed them was not: the loss or its targets made the NaN/Inf, after the model
+        self.loss_made: list[int] = []
         self._device_rng = getattr(torch, device.type, None) if device.type != "cpu" else None
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
         # kept eager under torch.compile(model): the root's hooks run outside its graph. The
@@ -179,6 +199,7 @@ class Replayer:
         for pos, t in enumerate(outputs):
             if pos not in internal:
                 add_grad_hook(t, t.grad_fn, partial(_keep_grad, batch.grads, pos))
+                batch.outputs[pos] = (weakref.ref(t), t._version)
 
     def release(self) -> None:
         """This step's update is under way and will not be replayed: its references go now (a
@@ -210,6 +231,7 @@ class Replayer:
         bad) sets :attr:`norm_overflow` (one more reduction and read per micro-batch, on such a
         replay only; a micro-batch's own gradients, not their sum over the step)."""
         self.norm_overflow = False
+        self.loss_made = []
         if batches is None:
             if self.broken:
                 return False
@@ -236,8 +258,14 @@ class Replayer:
                             self.forward_bad.append(index)
                         pairs = [(outputs[pos], g) for pos, g in batch.grads.items() if pos < len(outputs)]
                         if pairs and not _finite([g for _, g in pairs]) and _finite([t for t, _ in pairs]):
-                            # the loss went non-finite from outputs this forward made finite: not the same step
-                            unfaithful = True
+                            # the loss went non-finite from outputs this forward made finite. The same
+                            # step if the step's own outputs were finite too: then the loss or its
+                            # targets (a NaN label) made it, after the model; if they were not (or
+                            # are gone: not known), the step's forward did what this one did not
+                            if batch.outputs_were_finite([pos for pos in batch.grads]) is True:
+                                self.loss_made.append(index)
+                            else:
+                                unfaithful = True
                         if pairs and trainable:
                             for p in trainable:
                                 p.grad = None

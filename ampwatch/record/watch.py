@@ -592,9 +592,12 @@ class Watch:
             self._trigger.pause(False)
             if reproduced:
                 self.observer.set_observing(False)
-        if reproduced and self.replayer.forward_bad:
+        if reproduced and (self.replayer.forward_bad or self.replayer.loss_made):
+            # its forward went bad, or its loss did on outputs that were finite (a NaN target): the
+            # step's inputs, to run it again
             kept = batches if batches is not None else self.replayer.batches
-            self._save_inputs([(i, kept[i].args, kept[i].kwargs) for i in self.replayer.forward_bad if i < len(kept)])
+            bad = sorted(set(self.replayer.forward_bad) | set(self.replayer.loss_made))
+            self._save_inputs([(i, kept[i].args, kept[i].kwargs) for i in bad if i < len(kept)])
         if not reproduced and self.replayer.norm_overflow:
             # reproduced as what it was: finite gradients whose float32 norm overflows
             # (PackReader._overflowed), nothing non-finite to localize and no transient fault
