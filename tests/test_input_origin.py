@@ -1,7 +1,9 @@
 """A batch that brings NaN/Inf in: the recorder names the model's own input as the origin (an
 ``input`` event on ``<model>``), so the doctor says so from the module values alone, with no bytes
 saved and no loss logged, on a step between ``layer_every`` steps and on an observed one, with or
-without a GradScaler. Ground truth: the one value the loop wrote into its batch."""
+without a GradScaler. Ground truth: the one value the loop wrote into its batch. And the other
+side of the model: a NaN target, outside it, is the loss's doing, not a module's or the batch's,
+and not a transient fault when the step is replayed."""
 from __future__ import annotations
 
 import numpy as np
