@@ -131,7 +131,7 @@ def clip_evidence(facts: Facts, noticed: list[int], once: bool = False) -> tuple
 
 # notices that are the recorder's own notes about the run, not a misuse of the loop's: info
 _RECORDER_NOTES = ("replay-not-reproduced", "skip-read-within-step", "check-read-before-update",
-                   "step-unfinished")
+                   "step-unfinished", "replay-outputs-gone")
 
 
 def misuse_notices(facts: Facts) -> list[Finding]:
@@ -146,6 +146,10 @@ def misuse_notices(facts: Facts) -> list[Finding]:
               # not a misuse: the recorder's own note that one skipped step went unlocalized
               "replay-not-reproduced": "Nothing to change in the loop. Later bad steps are localized live; "
                                        "attach with replay=False to observe every step from the start.",
+              # not a misuse: a replay that could not ask the step's own outputs (nonfinite-origin says more)
+              "replay-outputs-gone": "To tell a NaN target from a fault of the forward that did not recur, "
+                                     "keep the model's output in a variable until the step ends (logits = "
+                                     "model(x); loss = loss_fn(logits, y)): a replay then reads it.",
               # not a misuse: the recorder's own note of why a fused step waits for the device
               "skip-read-within-step": "Compute the loss inside the model (a Hugging Face model's labels=, "
                                        "nanoGPT's targets) so that a step keeps one number for a replay "

@@ -268,6 +268,12 @@ def _forward_went_bad(facts: Facts, step: int) -> bool:
     return bool(len(ev)) and bool(((ev["step"] == step) & ev["phase"].isin(["forward", "input"])).any())
 
 
+def _outputs_gone(facts: Facts, step: int) -> bool:
+    """Whether the replay of ``step`` could not ask the step's own outputs (notice replay-outputs-gone)."""
+    n = facts.notices
+    return bool(len(n)) and bool(((n["code"] == "replay-outputs-gone") & (n["step"] == step)).any())
+
+
 def _origin_fix(facts: Facts, module: str, phase: str, step: int, kind: str, dtype: str) -> tuple[str, str]:
     why = facts.unlocalized(step) if phase == "loss" else None
     if why is not None and not facts.info.get("localize"):
@@ -280,6 +286,15 @@ def _origin_fix(facts: Facts, module: str, phase: str, step: int, kind: str, dty
                 + ("Later bad steps are localized live (module values are measured on every step after it); to "
                    "observe every step from the start, attach with replay=False" if "replay" in why else
                    "If it recurs, a localized bad step (one with module values) names the place"))
+    if phase == "loss" and why is None and not _forward_went_bad(facts, step) and _outputs_gone(facts, step):
+        return (f"; replayed on the same weights and inputs, the model's outputs came out finite (notice "
+                f"replay-outputs-gone: the step's own outputs were gone), so most likely it was made after the "
+                f"model, by the loss computation or by its targets; a fault of step {step:,}'s forward that did "
+                f"not recur is not ruled out",
+                f"Check the targets (labels) of step {step:,} for NaN/inf: torch.isfinite(y).all() in the loader "
+                f"keeps such samples out; and compute the loss in fp32 (logits.float()) with logs and divisions "
+                f"guarded by an eps. If the targets are finite, run the step again from its saved inputs: a "
+                f"fault that does not recur points at the device")
     if phase == "loss" and why is None and not _forward_went_bad(facts, step):
         return (f"; the model's outputs were finite at step {step:,} (its module values were recorded), so it was "
                 f"made after the model: by the loss computation or by its targets",

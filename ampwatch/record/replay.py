@@ -145,6 +145,9 @@ class Replayer:
         # the last replay's micro-batches whose outputs were finite, as the step's own were, and the
         # gradient the loss handed them was not: the loss or its targets made the NaN/Inf, after the model
         self.loss_made: list[int] = []
+        # ... the same, where the step's own outputs were gone (the loop did not hold them): the loss
+        # or its targets, or a fault of the step's forward that did not recur; not known which
+        self.loss_unclear: list[int] = []
         self._device_rng = getattr(torch, device.type, None) if device.type != "cpu" else None
         self._internal: dict[int, set[int]] = {}  # number of outputs -> positions fed by the others
         # kept eager under torch.compile(model): the root's hooks run outside its graph. The
@@ -231,7 +234,7 @@ class Replayer:
         bad) sets :attr:`norm_overflow` (one more reduction and read per micro-batch, on such a
         replay only; a micro-batch's own gradients, not their sum over the step)."""
         self.norm_overflow = False
-        self.loss_made = []
+        self.loss_made, self.loss_unclear = [], []
         if batches is None:
             if self.broken:
                 return False
@@ -260,9 +263,13 @@ class Replayer:
                         if pairs and not _finite([g for _, g in pairs]) and _finite([t for t, _ in pairs]):
                             # the loss went non-finite from outputs this forward made finite. The same
                             # step if the step's own outputs were finite too: then the loss or its
-                            # targets (a NaN label) made it, after the model; if they were not (or
-                            # are gone: not known), the step's forward did what this one did not
-                            if batch.outputs_were_finite([pos for pos in batch.grads]) is True:
+                            # targets (a NaN label) made it, after the model; if they were not, the
+                            # step's forward did what this one did not. Gone (the loop did not hold
+                            # them): not known, and the replay's values stand, said as unclear
+                            original = batch.outputs_were_finite([pos for pos in batch.grads])
+                            if original is None:
+                                self.loss_unclear.append(index)
+                            elif original:
                                 self.loss_made.append(index)
                             else:
                                 unfaithful = True

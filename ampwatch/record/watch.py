@@ -592,11 +592,17 @@ class Watch:
             self._trigger.pause(False)
             if reproduced:
                 self.observer.set_observing(False)
-        if reproduced and (self.replayer.forward_bad or self.replayer.loss_made):
+        if reproduced and self.replayer.loss_unclear:
+            self.writer.put_notice(self.step, "replay-outputs-gone",
+                                   "replayed on the same weights and inputs, the model's outputs came out finite "
+                                   "and the gradient its loss handed them was not; the step's own outputs were "
+                                   "gone (the loop did not hold them), so it is not known whether they were finite")
+        unclear = self.replayer.loss_unclear if reproduced else []
+        if reproduced and (self.replayer.forward_bad or self.replayer.loss_made or unclear):
             # its forward went bad, or its loss did on outputs that were finite (a NaN target): the
             # step's inputs, to run it again
             kept = batches if batches is not None else self.replayer.batches
-            bad = sorted(set(self.replayer.forward_bad) | set(self.replayer.loss_made))
+            bad = sorted(set(self.replayer.forward_bad) | set(self.replayer.loss_made) | set(unclear))
             self._save_inputs([(i, kept[i].args, kept[i].kwargs) for i in bad if i < len(kept)])
         if not reproduced and self.replayer.norm_overflow:
             # reproduced as what it was: finite gradients whose float32 norm overflows
