@@ -82,12 +82,17 @@ def test_the_micro_batch_whose_loss_went_nan_is_saved_byte_for_byte(tmp_path, re
 
 
 def test_a_gradient_overflow_with_a_finite_loss_saves_nothing(tmp_path, record_path):
-    """The scaler's warm-up at 2^24 overflows the gradients on several steps: the scale's doing."""
+    """The scaler's warm-up at 2^24 overflows the gradients on several steps: the scale's doing.
+    The scaled gradient is already inf where it reaches the model's fp16 outputs, whose loss was
+    finite: a replay of such a step reproduces it (before, the accelerator path called it a step
+    that did not reproduce, a transient fault, and switched the replay off)."""
     path = tmp_path / "run.sqlite"
     _loop(path, init_scale=2.0 ** 24)
     run = ampwatch.load(path)
     assert int(run.steps["skipped"].sum()) >= 2  # the premise: skipped steps happened
     assert run.batches.empty
+    assert run.notices.empty, run.notices[["step", "code"]].values.tolist()
+    assert "step-not-reproduced" not in {f.id for f in ampwatch.diagnose(run)}
 
 
 def test_save_batches_false_saves_nothing(tmp_path):

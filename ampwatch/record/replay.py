@@ -219,7 +219,7 @@ class Replayer:
         self.broken = False
 
     def replay(self, params: list[torch.Tensor], batches: Optional[list] = None,
-               grads_out: Optional[list] = None) -> bool:
+               grads_out: Optional[list] = None, losses_finite: Optional[list[bool]] = None) -> bool:
         """Run the step's micro-batches again, forward and backward (the observer's hooks must be on).
         True when the replay reproduced the skip: some parameter gradient came out non-finite, and
         no micro-batch whose outputs' gradients were non-finite (a non-finite loss) made finite
@@ -232,7 +232,10 @@ class Replayer:
         A replay that does not reproduce the skip but makes a gradient whose float32 norm overflows
         on finite elements (above ~1.8e19; without a scaler, that inf norm is what checked the step
         bad) sets :attr:`norm_overflow` (one more reduction and read per micro-batch, on such a
-        replay only; a micro-batch's own gradients, not their sum over the step)."""
+        replay only; a micro-batch's own gradients, not their sum over the step).
+        ``losses_finite``: per micro-batch, whether the step's own loss was finite (None: not known).
+        A finite loss whose gradient reached finite outputs as inf is the scale's doing (a scaled
+        gradient beyond the outputs' fp16 range, the scaler's warm-up): the same step."""
         self.norm_overflow = False
         self.loss_made, self.loss_unclear = [], []
         if batches is None:
@@ -267,7 +270,9 @@ class Replayer:
                             # step's forward did what this one did not. Gone (the loop did not hold
                             # them): not known, and the replay's values stand, said as unclear
                             original = batch.outputs_were_finite([pos for pos in batch.grads])
-                            if original is None:
+                            if losses_finite is not None and index < len(losses_finite) and losses_finite[index]:
+                                pass  # its loss was finite: the scaled gradient overflowed at the outputs
+                            elif original is None:
                                 self.loss_unclear.append(index)
                             elif original:
                                 self.loss_made.append(index)

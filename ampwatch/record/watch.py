@@ -571,6 +571,19 @@ class Watch:
                 self._replay()
         self._fp32_check(skipped)
 
+    def _losses_finite(self) -> Optional[list[bool]]:
+        """Per kept micro-batch of this step, whether its loss was finite (a read each: a step about
+        to be replayed only); None where the losses do not match the micro-batches one to one (one
+        loss logged for the step, ...), unless that one loss was finite: then all were."""
+        losses = self.state.logged_losses or self.state.losses
+        kept = len(self.replayer.batches) if self.replayer is not None else 0
+        bad = bad_losses(losses)
+        if bad is None or not kept:
+            return None
+        if len(losses) == kept:
+            return [i not in bad for i in range(kept)]
+        return [True] * kept if not bad else None
+
     def _replay(self, batches: Optional[list] = None, grads_out: Optional[list] = None) -> None:
         """Run the skipped step again with the module hooks on (replay.py), before update(). A replay
         that does not reproduce the skip (the model keeps Python state, the loss takes gradients
@@ -583,7 +596,8 @@ class Watch:
                                   "model's outputs, or a transient fault")
         try:
             with self.observer.inside_compiled_blocks():
-                reproduced = self.replayer.replay(self._params, batches, grads_out)
+                reproduced = self.replayer.replay(self._params, batches, grads_out,
+                                                  self._losses_finite() if batches is None else None)
         except replay.NotReplayable as exc:
             why = str(exc)
         except Exception as exc:  # a model that cannot run again this way (reentrant checkpointing
