@@ -22,6 +22,7 @@ from streamlit.testing.v1 import AppTest
 
 import ampwatch
 from ampwatch.store.writer import _INSERTS, create_run_file
+from helpers.app_pages import open_page
 from helpers.sqltruth import sql_frame as _sql
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,18 +32,7 @@ SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.sqlite"))
 PAGES = ("runs", "overview", "layers", "events", "inspector", "compare", "live")
 
 
-def _open(folder: Path, page: str = "runs", run: str | None = None, state: dict | None = None) -> AppTest:
-    os.environ["AMPWATCH_RUNS"] = str(folder)
-    at = AppTest.from_file(APP, default_timeout=60)
-    if run is not None:
-        at.query_params["run"] = run
-    at.run()
-    if page != "runs":
-        for k, v in (state or {}).items():
-            at.session_state[k] = v
-        at.switch_page(f"app_pages/{page}.py")
-        at.run()
-    return at
+_open = open_page
 
 
 pytestmark = pytest.mark.usefixtures("restore_runs_env")

@@ -470,16 +470,8 @@ def test_a_run_without_a_loss_says_so_and_how_to_record_it(tmp_path, logged, res
         assert "8 steps, none with a loss" in f.evidence and "watch.log(loss=loss)" in f.advice
         assert "(no loss recorded: watch.log(loss=loss) records it)" in summary
         assert "stayed finite" not in summary
-    import os
-    from pathlib import Path
-    from streamlit.testing.v1 import AppTest
-    os.environ["AMPWATCH_RUNS"] = str(tmp_path)
-    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "streamlit_app.py"),
-                           default_timeout=60)
-    at.query_params["run"] = "run.sqlite"
-    at.run()
-    at.switch_page("app_pages/overview.py")
-    at.run()
+    from helpers.app_pages import open_page
+    at = open_page(tmp_path, "overview", run="run.sqlite")
     assert not at.exception, [e.value for e in at.exception]
     infos = " ".join(i.value for i in at.info)
     assert ("No loss was recorded" in infos) == (not logged), infos

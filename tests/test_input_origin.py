@@ -12,6 +12,7 @@ import torch
 
 import ampwatch
 from ampwatch.doctor.skips import classify
+from helpers.app_pages import open_page
 from ampwatch.doctor.facts import Facts
 
 
@@ -77,6 +78,16 @@ def test_a_bad_step_without_a_scaler_or_a_loss_keeps_its_batch(tmp_path, record_
     assert "args[0] holds 1 NaN of 32 values" in first.evidence  # read back from the saved bytes
 
 
+def _scaled_step(watch, model, opt, x) -> None:
+    """One fp16 + GradScaler step of a loss computed from the model's output alone."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    watch.scaler.scale(loss).backward()
+    watch.scaler.step(opt)
+    watch.scaler.update()
+    opt.zero_grad()
+
+
 def test_an_inf_batch_under_a_grad_scaler_is_neither_a_probe_nor_the_scales_doing(tmp_path, record_path):
     """fp16 + GradScaler: +inf fed at step 9 is skipped like any overflow; the skip is put down to the
     batch, never to the scale probing its ceiling, and the doctor does not tell to lower the scale."""
@@ -90,12 +101,7 @@ def test_an_inf_batch_under_a_grad_scaler_is_neither_a_probe_nor_the_scales_doin
             x = torch.randn(4, 8)
             if step == 9:
                 x[0, 0] = float("inf")
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().pow(2).mean()
-            watch.scaler.scale(loss).backward()
-            watch.scaler.step(opt)
-            watch.scaler.update()
-            opt.zero_grad()
+            _scaled_step(watch, model, opt, x)
     run = ampwatch.load(path)
     assert list(run.steps.index[run.steps["skipped"].astype(bool)]) == [9]  # the premise
     born = run.events[run.events["origin"].astype(bool)]
@@ -110,17 +116,8 @@ def test_an_inf_batch_under_a_grad_scaler_is_neither_a_probe_nor_the_scales_doin
 
 
 def test_the_events_page_names_the_batch_not_a_module(tmp_path, restore_runs_env):
-    import os
-    from pathlib import Path
-    from streamlit.testing.v1 import AppTest
     _bf16_loop(tmp_path / "bad.sqlite", 7, log=True)
-    os.environ["AMPWATCH_RUNS"] = str(tmp_path)
-    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "streamlit_app.py"),
-                           default_timeout=60)
-    at.query_params["run"] = "bad.sqlite"
-    at.run()
-    at.switch_page("app_pages/events.py")
-    at.run()
+    at = open_page(tmp_path, "events", run="bad.sqlite")
     assert not at.exception, [e.value for e in at.exception]
     text = " ".join(w.value for w in at.warning)
     assert "Root cause (doctor): **NaN in the model's input batch at step 7**" in text
@@ -155,12 +152,7 @@ def test_a_model_that_cleans_nan_from_its_inputs_is_not_flagged(tmp_path, record
             if step == 4:
                 with torch.no_grad():
                     model.fc.weight[0, 0] = float("inf")
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().pow(2).mean()
-            watch.scaler.scale(loss).backward()
-            watch.scaler.step(opt)
-            watch.scaler.update()
-            opt.zero_grad()
+            _scaled_step(watch, model, opt, x)
             if step == 4:
                 with torch.no_grad():
                     model.fc.weight[0, 0] = 0.5
