@@ -269,15 +269,15 @@ class Replayer:
                             # targets (a NaN label) made it, after the model; if they were not, the
                             # step's forward did what this one did not. Gone (the loop did not hold
                             # them): not known, and the replay's values stand, said as unclear
-                            original = batch.outputs_were_finite([pos for pos in batch.grads])
-                            if losses_finite is not None and index < len(losses_finite) and losses_finite[index]:
-                                pass  # its loss was finite: the scaled gradient overflowed at the outputs
-                            elif original is None:
-                                self.loss_unclear.append(index)
-                            elif original:
-                                self.loss_made.append(index)
-                            else:
-                                unfaithful = True
+                            if not (losses_finite is not None and index < len(losses_finite) and losses_finite[index]):
+                                # (a finite loss: the scaled gradient overflowed at the outputs, the same step)
+                                original = batch.outputs_were_finite(list(batch.grads))
+                                if original is None:
+                                    self.loss_unclear.append(index)
+                                elif original:
+                                    self.loss_made.append(index)
+                                else:
+                                    unfaithful = True
                         if pairs and trainable:
                             for p in trainable:
                                 p.grad = None
