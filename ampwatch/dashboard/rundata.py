@@ -69,8 +69,10 @@ def run_row(path: Any) -> dict[str, Any]:
         warm = warmup_end(warmup_in_file(conn, bool(info.get("scaler_enabled"))), first or 0)
         bad = conn.execute(f"SELECT MIN(step) FROM steps WHERE ({_NONFINITE_STEP}) AND (step >= ? OR"
                            f" (nan_mask & {STEP_NAN_BITS['loss']}) != 0 OR abs(loss) > {INF_BOUND})", (warm,)).fetchone()[0]
-        ev = conn.execute("SELECT MIN(step) FROM events WHERE step >= ? OR phase IN ('forward', 'loss')",
-                          (warm,)).fetchone()[0]
+        # a NaN the scale cannot have made counts inside the warm-up too
+        free = ", ".join("?" * len(SCALE_FREE_PHASES))
+        ev = conn.execute(f"SELECT MIN(step) FROM events WHERE step >= ? OR phase IN ({free})",
+                          (warm, *SCALE_FREE_PHASES)).fetchone()[0]
     last_loss = None
     if tail is not None:
         last_loss = math.nan if tail[2] & STEP_NAN_BITS["loss"] else tail[0]
