@@ -29,8 +29,8 @@ def attach(model: Any, optimizer: Any, scaler: Any = None, *, path: Optional[str
         path get ``.rank<N>`` files.
     :param name: run name (default: the file's stem).
     :param config: a JSON-able dict stored with the run (hyper-parameters).
-    :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``overwrite``
-        (see docs/api.md).
+    :param options: ``layer_every``, ``localize``, ``flush_every_s``, ``strict``, ``overwrite``,
+        ``first_step`` (a run resumed from a checkpoint: the step it starts at), … (see docs/api.md).
 
     A wrong option value raises :class:`ampwatch.errors.OptionError` (a ValueError); an argument of
     the wrong type (model, optimizer, scaler, path, name, config) raises

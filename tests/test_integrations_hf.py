@@ -386,3 +386,20 @@ def test_a_compiled_trainer_model_with_graph_breaks_is_observed_without_compilin
     assert sorted(set(forward.step)) == [0, 2, 4]
     seen = {s: set(forward[forward.step == s].module) for s in (0, 2, 4)}
     assert seen[2] == seen[4] >= seen[0] and "transformer.h.1.mlp.c_fc" in seen[0]  # inside the blocks
+
+
+def test_a_run_resumed_from_a_checkpoint_goes_on_with_the_trainers_step_numbers(tmp_path):
+    """``train(resume_from_checkpoint=...)``: the callback attaches after the Trainer loaded the
+    checkpoint's state, and numbers the rows from its global step. Ground truth: the steps the
+    Trainer logged (its ``step`` is the global step after each update) and their losses."""
+    first = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "a.sqlite"))], bf16=True,
+                         save_strategy="steps", save_steps=4)
+    first.train()
+    resumed = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "b.sqlite"))], bf16=True)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
+    logs = [h for h in logged(resumed) if h["step"] > 4]  # its log_history holds the checkpoint's too
+    assert [h["step"] for h in logs] == [5, 6]  # the premise: the Trainer went on from step 4
+    run = ampwatch.load(tmp_path / "b.sqlite")
+    assert list(run.steps["step"]) == [h["step"] - 1 for h in logs] == [4, 5]
+    assert list(run.steps["loss"]) == trainer_losses(logs)
+    assert list(ampwatch.load(tmp_path / "a.sqlite").steps["step"]) == list(range(STEPS))

@@ -198,3 +198,28 @@ def test_without_lightning_one_clear_error_names_the_extra():
     out = subprocess.run([sys.executable, "-c", WITHOUT_LIGHTNING], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()
     assert out.count("\n") == 0 and "pip install 'ampwatch[lightning]'" in out
+
+
+def test_a_fit_resumed_from_a_checkpoint_goes_on_with_the_trainers_step_numbers(tmp_path):
+    """``fit(ckpt_path=...)``: the callback attaches after Lightning restored the checkpoint and
+    numbers the rows from its global step. Ground truth: the trainer's global step before each
+    optimizer step, and the losses its training_step returned."""
+    trainer = make_trainer([], max_steps=6)
+    trainer.fit(Regressor(), loader())
+    trainer.save_checkpoint(tmp_path / "six.ckpt")
+
+    class Steps(L.Callback):
+        def __init__(self) -> None:
+            self.at: list[int] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.at.append(trainer.global_step)
+
+    truth, steps = StepTruth(), Steps()
+    make_trainer([AmpwatchCallback(str(tmp_path / "resumed.sqlite")), truth, steps], max_steps=10).fit(
+        Regressor(), loader(), ckpt_path=str(tmp_path / "six.ckpt"))
+    assert steps.at == [6, 7, 8, 9]  # the premise: the trainer went on from step 6
+    run = ampwatch.load(tmp_path / "resumed.sqlite")
+    assert list(run.steps["step"]) == steps.at
+    assert list(run.steps["loss"]) == pytest.approx(truth.losses, rel=1e-6)
+    assert list(run.steps["skipped"]) == truth.skipped

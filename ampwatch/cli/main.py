@@ -132,7 +132,7 @@ def _summary_text(s: dict, file: str) -> str:
     """``file``: the run file's name; a run's name need not be its file's (a renamed copy)."""
     return "\n".join([
         f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})  file {file}",
-        f"steps    {s['steps']}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)"
+        f"steps    {s['steps']}{_numbered(s)}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)"
         + (f"; {s['unfinished_text']}" if s.get("unfinished_text") else ""),
         f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}",
         f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}",
@@ -141,6 +141,12 @@ def _summary_text(s: dict, file: str) -> str:
         f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}"]
         + _memory_lines(s)
         + [f"{'crashed' if i == 0 else '':<8} {line}" for i, line in enumerate(s.get("error_tail") or [])])
+
+
+def _numbered(s: dict) -> str:
+    """" (steps 500-749)" for a run that does not start at step 0 (resumed: first_step)."""
+    first = s.get("first_step")
+    return f" (steps {first:,}-{s['last_step']:,})" if first else ""
 
 
 def _nonfinite_line(s: dict) -> str:

@@ -131,7 +131,7 @@ def clip_evidence(facts: Facts, noticed: list[int], once: bool = False) -> tuple
 
 # notices that are the recorder's own notes about the run, not a misuse of the loop's: info
 _RECORDER_NOTES = ("replay-not-reproduced", "skip-read-within-step", "check-read-before-update",
-                   "step-unfinished", "replay-outputs-gone")
+                   "step-unfinished", "replay-outputs-gone", "resume-numbered-from-0")
 
 
 def misuse_notices(facts: Facts) -> list[Finding]:
@@ -165,6 +165,11 @@ def misuse_notices(facts: Facts) -> list[Finding]:
               "step-unfinished": "Nothing to change for the recording: the step's row holds its loss, "
                                  "gradient norms and module values as far as the step got, so the "
                                  "findings at that step say what went wrong in it.",
+              # not a misuse: a run attached to an optimizer that had already made updates
+              "resume-numbered-from-0": "If this run goes on from a checkpoint, pass the step it resumes at to "
+                                        "attach (first_step=N; the framework callbacks pass the trainer's "
+                                        "global step): its rows, findings and tracker series then carry the "
+                                        "loop's own step numbers. Nothing to change otherwise.",
               # not a misuse either: the recorder failed and stopped (training went on)
               "recording-stopped": "Training went on; this file ends at that step. Unless the message names "
                                    "something your loop passed, it is an ampwatch bug: please report the "

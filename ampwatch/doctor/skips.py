@@ -143,9 +143,18 @@ def warmup_skips(facts: Facts) -> list[Finding]:
         "warmup-skips", "info", title, w.first, w.last,
         f"{which}; scale {num(w.scale_from)} -> "
         f"{num(w.scale_to)}; {counted(n_events, 'gradient-overflow event')} in them are expected",
-        f"Nothing to fix: GradScaler starts high and halves until the gradients fit. To skip the warm-up, "
-        f"start at init_scale={pow2(w.scale_to)}.",
+        _warmup_advice(w.first, pow2(w.scale_to)),
         jump=(w.first, min(facts.last_step, w.last + 5)))]
+
+
+def _warmup_advice(first: int, fitted: str) -> str:
+    if first > 0:  # numbered from first_step: a run resumed from a checkpoint
+        return (f"This run starts at step {first:,}, resumed from a checkpoint: its GradScaler began at its "
+                f"init_scale instead of the scale the run before had reached. Save scaler.state_dict() with "
+                f"the checkpoint and restore it with scaler.load_state_dict() on resume: the resumed run then "
+                f"skips no steps (or start at init_scale={fitted}).")
+    return (f"Nothing to fix: GradScaler starts high and halves until the gradients fit. To skip the warm-up, "
+            f"start at init_scale={fitted}.")
 
 
 def scale_probing(facts: Facts) -> list[Finding]:

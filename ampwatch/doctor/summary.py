@@ -77,6 +77,9 @@ def summarize(run: Any) -> dict[str, Any]:
     norms = _finite(steps["grad_norm"].dropna()) if n else pd.Series(dtype=float)
     return {
         "name": info["name"], "status": info["status"], "steps": n,
+        # a run resumed from a checkpoint is numbered from its first_step
+        "first_step": int(steps["step"].iloc[0]) if n else None,
+        "last_step": int(steps["step"].iloc[-1]) if n else None,
         "skipped": skipped, "skipped_pct": 100.0 * skipped / n if n else 0.0,
         "loss_first": float(loss.iloc[0]) if len(loss) else None,
         "loss_last": float(loss.iloc[-1]) if len(loss) else None,

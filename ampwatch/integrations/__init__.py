@@ -40,11 +40,17 @@ def check_options(options: dict[str, Any], framework: str) -> dict[str, Any]:
     return dict(options)
 
 
-def attach_options(options: dict[str, Any], framework: str, framework_config: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for ``attach``: the framework's settings under the user's own config keys."""
+def attach_options(options: dict[str, Any], framework: str, framework_config: dict[str, Any],
+                   global_step: Any = 0) -> dict[str, Any]:
+    """Keyword arguments for ``attach``: the framework's settings under the user's own config keys,
+    and the trainer's global step as ``first_step`` (a run resumed from a checkpoint goes on with
+    the trainer's numbering) unless the user gave one."""
     merged = dict(options)
     merged["config"] = {**framework_config, **(options.get("config") or {})}
     merged["framework"] = framework
+    if "first_step" not in merged and isinstance(global_step, int) and not isinstance(global_step, bool) \
+            and global_step > 0:
+        merged["first_step"] = global_step
     return merged
 
 

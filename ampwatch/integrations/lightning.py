@@ -69,7 +69,9 @@ class AmpwatchCallback(pl.Callback):
         self._accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         self._losses = []
         path = run_path(self.path, self._first_path)
-        options = attach_options(self.options, "lightning", training_config(trainer, pl_module))
+        # on_train_start comes after a checkpoint given as fit(ckpt_path=...) is restored
+        options = attach_options(self.options, "lightning", training_config(trainer, pl_module),
+                                 trainer.global_step)
         if trainer.loggers and "mirror" not in options:
             from ..trackers.window import LogWindow
             self._window = options["mirror"] = LogWindow()

@@ -123,7 +123,9 @@ class AmpwatchCallback(transformers.TrainerCallback):
             scaler = getattr(trainer.accelerator, "scaler", None)
         self._losses = []
         path = run_path(self.path, self._first_path)
-        options = attach_options(self.options, "transformers", training_config(args))
+        # on_train_begin comes after a resumed checkpoint's state is loaded: global_step is its step
+        options = attach_options(self.options, "transformers", training_config(args),
+                                 getattr(state, "global_step", 0))
         if trainer is not None and "mirror" not in options:
             from ..trackers.window import LogWindow
             self._window = options["mirror"] = LogWindow()

@@ -25,6 +25,10 @@ def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def _natural(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _positive_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
@@ -59,6 +63,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("save_batches", True, _is_bool, "True or False",
             "save the model's inputs of the first 8 steps whose loss or outputs went NaN/Inf in the run file "
             "(at most 16 MiB a step, 64 MiB a run; Run.batches, ampwatch.load_batch, 'ampwatch batch')"),
+    Setting("first_step", 0, _natural, "an int >= 0",
+            "the number of the first step recorded: a run resumed from a checkpoint taken after step N-1 "
+            "passes N, so that its rows, the doctor and the trackers use the loop's own step numbers "
+            "(the framework callbacks pass the trainer's global step)"),
     Setting("flush_every_s", 1.0, _positive_number, "a number of seconds > 0",
             "commit buffered rows at least this often"),
     Setting("strict", False, _is_bool, "True or False",

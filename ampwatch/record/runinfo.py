@@ -96,6 +96,20 @@ def parameter_table(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return params, rows
 
 
+def steps_taken(optimizer: Any) -> int:
+    """How many updates the optimizer's state says it made before attach (Adam's ``step``; 0 for a
+    fresh optimizer, or one that keeps no count, such as plain SGD). One read at attach: a fused
+    Adam keeps the count on the device."""
+    try:
+        for state in optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if step is not None:
+                return int(step.item() if isinstance(step, torch.Tensor) else step)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        pass
+    return 0
+
+
 def module_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     """First name of every module registered under several names -> its other names."""
     names: dict[int, list[str]] = {}

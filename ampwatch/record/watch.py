@@ -27,7 +27,7 @@ from . import clipping, torch_access
 from .backward import BackwardEnd
 from .compiled import uncompiled
 from .recompute import check_step
-from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, tied_owners
+from .runinfo import describe_run, module_aliases, parameter_table, resolve_path, steps_taken, tied_owners
 from .options import resolve
 from ..store.rows import Rows
 from ..store.writer import RunWriter
@@ -123,7 +123,7 @@ class Watch:
         self._reapplying = False  # a bad step's update applied again (kernelskip.py): our hooks stand aside
         self.grads = GradMeter(self._params, self._device, self._pack_dtype)
         self.state = StepState(time.time())
-        self.step = 0
+        self.step = self._first_step = self.options["first_step"]  # a resumed run goes on numbering
         self.observer: Optional[ModuleObserver] = None
         self.replayer: Optional[replay.Replayer] = None
         self._batch_saver = BatchSaver() if self.options["save_batches"] else None
@@ -144,8 +144,22 @@ class Watch:
             self._fail(exc)
             return
         self._install()
+        if "first_step" not in options:
+            self._note_resumed_from_zero()
+        if self.replayer is not None and not self._detail_step():  # a resumed run's first step
+            self.observer.set_observing(False)  # is observed only where its number says so
         self._watch_fp8(fp8_layers)
         _open_watches.add(self)
+
+    def _note_resumed_from_zero(self) -> None:
+        """An optimizer that already made updates (a loaded checkpoint) and no first_step: the
+        run's rows start at 0 where the loop's own count does not. Said once, in the run."""
+        taken = steps_taken(self.optimizer)
+        if taken > 0:
+            self.writer.put_notice(self.step, "resume-numbered-from-0",
+                                   f"the optimizer had made {taken:,} updates before ampwatch attached (its "
+                                   f"state's step count), and this run is numbered from step 0: a run resumed "
+                                   f"from a checkpoint passes first_step=<the step it resumes at>")
 
     def _place(self, path: Optional[str], info: dict) -> None:
         """Where the run goes (an explicit existing path is refused unless overwrite=True) and its name."""
@@ -290,7 +304,7 @@ class Watch:
         if not layers:
             return
         if uncompiled(self.model) is not self.model:  # hooks added per step would recompile the model
-            self.writer.put_notice(0, "fp8-not-measured", "the model is compiled: its fp8 casts are not "
+            self.writer.put_notice(self.step, "fp8-not-measured", "the model is compiled: its fp8 casts are not "
                                    "measured (attach to the model before torch.compile to measure them)")
             return
         self.fp8 = fp8.Fp8Recorder(layers, self.guarded)
@@ -348,7 +362,7 @@ class Watch:
         return self.step % self.options["layer_every"] == 0
 
     def on_autocast(self) -> None:
-        if self._amp_seen or self.step or self._failed or self.closed:
+        if self._amp_seen or self.step != self._first_step or self._failed or self.closed:
             return
         kind = self._device_kind
         try:
@@ -987,7 +1001,7 @@ class _AutocastProbe:
             # probes leave now, before they are traced into its graph, where they would learn
             # nothing and add their guards to every call
             watch._drop_child_probes()
-        if not watch._amp_seen and not watch.step:
+        if not watch._amp_seen and watch.step == watch._first_step:
             watch.guarded(watch.on_autocast)()
 
 

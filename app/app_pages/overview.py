@@ -50,7 +50,9 @@ if ov is None:
 
 
 m = st.columns(5)
-m[0].metric("steps", f"{row['steps']:,}")
+m[0].metric("steps", f"{row['steps']:,}",
+            help=f"steps {row['first_step']:,}–{row['last_step']:,}: numbered on from a checkpoint (first_step)"
+            if row["first_step"] else None)
 m[1].metric(f"skipped ({row['skipped_pct']:.1f}%)", f"{row['skipped']:,}")  # short values: they must fit
 m[2].metric("final loss scale", formatting.fmt_scale(row["final_scale"]))
 origin = headlines.origin_finding(found)
