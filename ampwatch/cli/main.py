@@ -140,6 +140,7 @@ def _summary_text(s: dict, file: str) -> str:
         f"gradnorm p50 {_fmt(s['grad_norm_p50'])}  p90 {_fmt(s['grad_norm_p90'])}  "
         f"p99 {_fmt(s['grad_norm_p99'])}  max {_fmt(s['grad_norm_max'])}"]
         + _memory_lines(s)
+        + ([f"recorder {s['detail_cost']}"] if s.get("detail_cost") else [])
         + [f"{'crashed' if i == 0 else '':<8} {line}" for i, line in enumerate(s.get("error_tail") or [])])
 
 

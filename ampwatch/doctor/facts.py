@@ -63,7 +63,7 @@ class Facts:
         return pd.read_sql_query(sql, self._conn, params=params)
 
     def _read_steps(self) -> tuple[pd.DataFrame, bool]:
-        s = self._query("SELECT step, loss, loss_scale, skipped, grad_norm, nan_mask FROM steps ORDER BY step")
+        s = self._query("SELECT step, loss, loss_scale, skipped, grad_norm, duration_s, nan_mask FROM steps ORDER BY step")
         mask = s["nan_mask"].to_numpy()
         # The loss is "logged" when any row holds one, or NaN (SQLite keeps NaN as NULL plus a bit):
         # an all-NaN loss is a run that was NaN from its first step, not one that never logged it.

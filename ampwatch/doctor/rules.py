@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .cost import SHARE_NOTE, detail_cost_share
 from .finding import Finding, num
 from .fp8 import ERR_FACTOR, ERR_MIN, FLUSH_WARN, fp8_cast_loss, fp8_output_error
 from .facts import Facts
@@ -36,7 +37,7 @@ RULES: list[Callable[[Facts], list[Finding]]] = [
     lone_skips, scale_stuck_low,
     grad_underflow, activation_headroom, activation_trend, scale_falling, loss_spike, grad_norm_explosion,
     misuse_config, misuse_clip_scaled, memory_growth,
-    misuse_notices, step_not_reproduced, fp8_cast_loss, fp8_output_error,
+    misuse_notices, step_not_reproduced, fp8_cast_loss, fp8_output_error, detail_cost_share,
 ]
 
 __all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "outliers",
@@ -44,4 +45,4 @@ __all__ = ["RULES", "Facts", "num", "origin_advice", "weight_jump", "outliers",
            "STUCK_HEADROOM", "STUCK_MIN_STEPS", "UNDERFLOW_SCALED_AMAX", "UNDERFLOW_EXCESS",
            "UNDERFLOW_MIN_FRAC", "HEADROOM_FACTOR", "HEADROOM_MIN_ROWS", "FP32_MODULE_TYPES",
            "OUTLIER_WINDOW", "OUTLIER_MIN_HISTORY", "LOSS_SPIKE", "GRAD_SPIKE", "WEIGHT_JUMP",
-           "FLUSH_WARN", "ERR_FACTOR", "ERR_MIN"]
+           "FLUSH_WARN", "ERR_FACTOR", "ERR_MIN", "SHARE_NOTE"]

@@ -9,6 +9,7 @@ import pandas as pd
 from ..store.guard import reads
 from ..store.reader import connect
 from ..store.schema import STEP_NAN_BITS
+from .cost import cost_line, detail_cost
 from .ending import UNFINISHED, traceback_tail
 from .warmup import SCALE_FREE_PHASES, warmup_end, warmup_in_file
 
@@ -97,6 +98,8 @@ def summarize(run: Any) -> dict[str, Any]:
         "grad_norm_max": float(norms.max()) if len(norms) else None,
         "amp_dtype": info.get("amp_dtype"), "device": info.get("device"),
         "error_tail": error_tail(info) if info.get("status") == "crashed" else [],
+        # what the per-layer detail steps cost, from the run's own step times (doctor/cost.py)
+        "detail_cost": cost_line(detail_cost(steps, info.get("layer_every"))),
         **_unfinished(run, steps, measured),
         **_memory(run.memory),
     }
