@@ -383,6 +383,29 @@ class Facts:
                 lr_total += float(lr)
         return lr_total * largest
 
+    def layer_grad_growth(self, step: int, before: int = 10) -> list[tuple[str, float, float, float]]:
+        """Each parameter's gradient norm at ``step`` against its median over the last ``before``
+        recorded steps before it that were not skipped: (name, norm, median, share of the step's
+        squared norm), the largest growth first. Empty where ``step`` has no layer rows (a healthy
+        step between ``layer_every`` steps that did not spike) or nothing was recorded before."""
+        df = self._query(
+            "SELECT param_id, step, grad_norm FROM layers WHERE grad_norm IS NOT NULL AND (step = ? OR step IN "
+            "(SELECT DISTINCT l.step FROM layers l JOIN steps s ON s.step = l.step WHERE l.step < ? AND NOT s.skipped "
+            "ORDER BY l.step DESC LIMIT ?))", (step, step, before))
+        now, past = df[df["step"] == step], df[df["step"] != step]
+        if not len(now) or not len(past):
+            return []
+        median = past.groupby("param_id")["grad_norm"].median()
+        norm = now.set_index("param_id")["grad_norm"].astype(float)
+        total = float((norm ** 2).sum())
+        out = []
+        for pid, value in norm.items():
+            m = float(median.get(pid, float("nan")))
+            if m > 0 and math.isfinite(value):
+                out.append((self._names.get(int(pid), str(pid)), float(value), m,
+                            value * value / total if total > 0 else float("nan")))
+        return sorted(out, key=lambda r: r[1] / r[2], reverse=True)
+
     def last_param_norms(self, prefix: str, step: int) -> dict[str, list[tuple[int, float]]]:
         """The last two recorded (step, parameter norm) of each parameter named ``prefix...`` up to
         ``step``, oldest first, by name; NaN for a non-finite norm.

@@ -94,7 +94,7 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
     how_often = "once" if len(peaks) == 1 else counted(len(peaks), "time")
     title = (f"{label} {'spiked' if id == 'loss-spike' else 'exploded'} {how_often}: up to "
              f"{times(worst[3])} the recent median (step {worst[0]:,})")
-    evidence = "; ".join(parts) + more
+    evidence = "; ".join(parts) + more + _layers_that_grew(facts, worst[0])
     # the first spike's weights: one moved beyond what training moves it is the cause, not the batches
     jumped = overwritten_around(facts, hits[0][0])
     if jumped:
@@ -103,6 +103,24 @@ def _outlier_finding(facts: Facts, id: str, label: str, hits: list[tuple], advic
         facts.claims[id] = (jumped[0], "overwritten")  # a gradient explosion it also explains follows the loss spike
     return [facts.finding(id, "warning", title, hits[0][0], hits[-1][0], evidence, advice,
                           jump=facts.jump(worst[0], worst[0]))]
+
+
+# a parameter named as grown at a spike: its gradient norm this many times its recent median
+LAYER_GROWTH = 3.0
+
+
+def _layers_that_grew(facts: Facts, step: int, limit: int = 3) -> str:
+    """"; at step 412 the gradient grew most in h.3.mlp.fc.weight: 12.3, 48x its median ..." from the
+    layer rows a spike step gets (record/spikes.py); "" where it has none."""
+    grown = [g for g in facts.layer_grad_growth(step) if g[1] >= LAYER_GROWTH * g[2]]
+    if not grown:
+        return ""
+    parts = [f"{name} {num(norm)}, {times(norm / median)} its median over the recorded steps before"
+             + (f", {share:.0%} of the step's squared norm" if share == share else "")
+             for name, norm, median, share in grown[:limit]]
+    more = f" (and {counted(len(grown) - limit, 'other parameter')} grew {LAYER_GROWTH:g}x or more)" \
+        if len(grown) > limit else ""
+    return f"; at step {step:,} the gradient grew most in " + "; ".join(parts) + more
 
 
 def loss_spike(facts: Facts) -> list[Finding]:

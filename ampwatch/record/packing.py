@@ -18,6 +18,7 @@ from . import observe
 
 from . import origins
 from .healthy import HealthyRows, slot_amax
+from .spikes import SpikeWatch
 from ..store.rows import Rows
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
@@ -85,6 +86,7 @@ class PackReader:
         self.module_names = module_names
         self.layer_every = layer_every
         self._healthy = HealthyRows(len(module_names))
+        self._spikes = SpikeWatch()  # healthy steps whose gradient norm or loss spiked get layer rows
         self.batch_saver: Any = None  # batches.BatchSaver, shared with the training thread (locked)
         self._root = module_names.index("<model>") if "<model>" in module_names else None
 
@@ -135,7 +137,8 @@ class PackReader:
         bad_params = [] if finite else [i for i, n in zip(pack.norm_ids, norms) if not math.isfinite(n)]
         detail = self._details(pack, seg("detail"))
         overflowed = self._overflowed(pack, bad_params, norms, detail, scale is not None and not skipped)
-        if (pack.step % self.layer_every == 0 or skipped or bad_params) and norms:
+        spiked = not skipped and finite and self._spikes.spiked(grad_norm, loss)
+        if (pack.step % self.layer_every == 0 or skipped or bad_params or spiked) and norms:
             out.layers.extend(self._layer_rows(pack, norms, detail, overflowed))
         if overflowed:
             bad_params = [pid for pid in bad_params if pid not in overflowed]
