@@ -26,8 +26,8 @@ def show_step(path: Path, key: tuple, step: int) -> None:
         st.dataframe(readable(ev, nan_text), hide_index=True, key="step_events")
     if detail["layers"].empty:
         near = detail["layer_step_at_or_before"]
-        st.info(f"No per-layer rows at step {step}: they are written every `layer_every` steps and on skipped "
-                "or non-finite steps" + (f"; the nearest earlier one is step {near}." if near is not None else "."))
+        st.info(f"No per-layer rows at step {step}: they are written every `layer_every` steps, on skipped "
+                "or non-finite steps, and on steps whose gradient norm or loss spiked" + (f"; the nearest earlier one is step {near}." if near is not None else "."))
     else:
         st.markdown("**Per layer** (click a header to sort)")
         st.dataframe(detail["layers"], hide_index=True, key="step_layers")

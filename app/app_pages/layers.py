@@ -22,7 +22,7 @@ if view == "Gradient heatmap":
     if grid is None:
         st.stop()
     if grid.values.size == 0:
-        st.info("No per-layer rows in this range (they are written every `layer_every` steps and on bad steps).")
+        st.info("No per-layer rows in this range (they are written every `layer_every` steps, on bad steps and on spikes).")
         st.stop()
     log = st.toggle("log colour scale", key=state.kept(f"layers_log:{metric}", metric != "grad_zero_frac"))
     st.plotly_chart(figures.heatmap_figure(grid, log_color=log), width="stretch", key="heatmap")
