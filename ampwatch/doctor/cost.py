@@ -32,6 +32,7 @@ MIN_BETWEEN = 10
 # The share of a run's time above which the doctor says what the detail costs: the 1% that users
 # do not notice (an H100 step of GPT-2 small varies by more than that from run to run)
 SHARE_NOTE = 0.01
+RECENT_STEPS = 20_000
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,16 @@ class DetailCost:
         return max(self.every, math.ceil(self.extra_s / (share * self.between_s)))
 
 
-def detail_cost(steps: pd.DataFrame, every: Optional[int]) -> Optional[DetailCost]:
-    """The cost of the detail steps, or None where the run has too few steps to say."""
+def detail_cost(steps: pd.DataFrame, every: Optional[int], first: Optional[int] = None) -> Optional[DetailCost]:
+    """The cost of the detail steps, or None where the run has too few steps to say. ``steps``:
+    step, skipped, duration_s (all of a run's, or its last ones: ``first`` is then the run's first
+    step, whose block is left out)."""
     if not every or every < 2 or not len(steps) or "duration_s" not in steps:
         return None
     step = steps["step"].to_numpy(dtype=np.int64)
+    first = int(step.min()) if first is None else first
     duration = pd.to_numeric(steps["duration_s"], errors="coerce").to_numpy(dtype=float)
-    keep = (step >= step.min() + every) & ~steps["skipped"].astype(bool).to_numpy() \
+    keep = (step >= first + every) & ~steps["skipped"].astype(bool).to_numpy() \
         & np.isfinite(duration) & (duration > 0)
     detail = step % every == 0
     observed, between = duration[keep & detail], duration[keep & ~detail]
@@ -110,12 +114,16 @@ def cost_line(cost: Optional[DetailCost]) -> Optional[str]:
 def detail_cost_share(facts: "Facts") -> list["Finding"]:
     """Info: the per-layer detail costs more than SHARE_NOTE of the run's time, and the
     ``layer_every`` that would bring it under."""
-    cost = detail_cost(facts.steps, facts.info.get("layer_every"))
+    # the last RECENT_STEPS steps are plenty for two medians (1,000 detail steps at the default),
+    # and a range of the primary key reads in milliseconds where all of a 1,000,000-step run's
+    # step times would take a second
+    recent = facts.ask("SELECT step, skipped, duration_s FROM steps WHERE step >= ? ORDER BY step",
+                       (max(facts.first_step, facts.last_step - RECENT_STEPS),))
+    cost = detail_cost(recent, facts.info.get("layer_every"), first=facts.first_step)
     if cost is None or not cost.measurable or cost.share <= SHARE_NOTE:
         return []
     every = cost.every
-    detail = facts.steps["step"][(facts.steps["step"] % every == 0)
-                                 & (facts.steps["step"] >= facts.first_step + every)]
+    detail = recent["step"][(recent["step"] % every == 0) & (recent["step"] >= facts.first_step + every)]
     first, last = int(detail.min()), int(detail.max())
     better = cost.every_for(SHARE_NOTE)
     return [facts.finding(
@@ -123,7 +131,7 @@ def detail_cost_share(facts: "Facts") -> list["Finding"]:
         f"ampwatch's per-layer detail costs {cost.share:.1%} of this run's time "
         f"(every {ordinal(every)} step, {cost.extra_s * 1e3:+,.1f} ms)",
         first, last,
-        f"after the first {every:,} steps, the {cost.n_observed:,} steps with per-layer and per-module detail "
+        f"{_which_steps(facts, recent, every)}, the {cost.n_observed:,} steps with per-layer and per-module detail "
         f"(every {ordinal(every)}) took a median {ms(cost.observed_s)}, the {cost.n_between:,} steps between "
         f"them {ms(cost.between_s)} ({cost.ratio:.3f}x; the steps' noise ±{ms(cost.noise_s)}); skipped steps "
         f"left out",
@@ -131,3 +139,9 @@ def detail_cost_share(facts: "Facts") -> list["Finding"]:
         f"steps: {cost.extra_s / (better * cost.between_s):.2%} of the run's time). Skipped and non-finite steps "
         f"keep their full detail at any layer_every, so nothing is lost in localizing a fault.",
         jump=(first, min(last, first + every)))]
+
+
+def _which_steps(facts: "Facts", recent: pd.DataFrame, every: int) -> str:
+    if len(recent) and int(recent["step"].iloc[0]) > facts.first_step:
+        return f"over the last {len(recent):,} steps"
+    return f"after the first {every:,} steps"

@@ -27,6 +27,7 @@ from .numerics import leaf_modules
 #   lightning samples' attention projections go 0.12 -> 2.3 in 140 steps, 1.02x per step), which
 #   says nothing about fp16's range.
 TREND_ROWS = 8
+TREND_STEPS_READ = 4 * TREND_ROWS
 TREND_MIN_ROWS = 5
 TREND_R2 = 0.9
 TREND_UP = 0.8
@@ -56,7 +57,9 @@ def activation_trend(facts: Facts) -> list[Finding]:
     """Warning: a leaf module's fp16 maximum grows steadily toward 65504 (name, rate, projected step)."""
     if not facts.fp16:
         return []
-    fwd = facts.forward_activations(facts.healthy_end, leaf_modules(facts))
+    # the last TREND_ROWS healthy rows of each module, from a few more recent steps than that: a
+    # step where a module's value was zero or non-finite is left out of its fit
+    fwd = facts.forward_activations(facts.healthy_end, leaf_modules(facts), recent=TREND_STEPS_READ)
     order = {n: i for i, n in enumerate(facts.tensors["name"])}
     hits = []
     for name, g in fwd.groupby("module", sort=False):
