@@ -143,6 +143,11 @@ def run_row(path: str, key: tuple) -> dict:
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
+def detail_cost(path: str, key: tuple) -> Optional[str]:
+    return rundata.detail_cost_text(path)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
 def skip_rate(path: str, key: tuple) -> pd.DataFrame:
     return rundata.skip_rate(path)
 

@@ -44,7 +44,7 @@ def _run(path, *, extra_s: float, steps: int = 60) -> None:
             opt.zero_grad(set_to_none=True)
 
 
-def test_a_slow_detail_step_is_measured_and_a_layer_every_proposed(tmp_path):
+def test_a_slow_detail_step_is_measured_and_a_layer_every_proposed(tmp_path, restore_runs_env):
     path = tmp_path / "slow.sqlite"
     _run(path, extra_s=EXTRA_S)
     run = ampwatch.load(path)
@@ -62,7 +62,12 @@ def test_a_slow_detail_step_is_measured_and_a_layer_every_proposed(tmp_path):
     assert f"costs {cost.share:.1%} of this run's time" in found[0].title and cost.share > 0.2
     out = CliRunner().invoke(cli, ["summary", str(path)])
     assert out.exit_code == 0
-    assert f"recorder {cost.extra_s * 1e3:+,.2f} ms on every 5th step (per-layer detail, {cost.ratio:.3f}x)" in out.output
+    line = f"{cost.extra_s * 1e3:+,.2f} ms on every 5th step (per-layer detail, {cost.ratio:.3f}x)"
+    assert f"recorder {line}" in out.output
+    from helpers.app_pages import open_page  # and the dashboard's overview says the same
+    at = open_page(tmp_path, "overview", run="slow.sqlite")
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(c.value.startswith(f"ampwatch: {line}") for c in at.caption), [c.value for c in at.caption]
 
 
 def test_a_detail_step_that_costs_little_is_not_a_finding(tmp_path):

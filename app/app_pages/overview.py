@@ -63,6 +63,9 @@ else:
                 help="after the scaler's warm-up (its expected overflows are not counted); a gradient "
                      "overflow the scaler skipped counts: see the doctor's findings for whether it matters")
 m[4].metric("last loss", formatting.fmt(row["last_loss"]))
+cost = loaders.guarded(loaders.detail_cost, str(path), key, path=path)
+if cost:  # what the recording's detail steps cost this run, from its own step times
+    st.caption(f"ampwatch: {cost}")
 if any(f.get("id") == "no-loss" for f in found):  # the doctor's: nothing in the whole run
     st.info("No loss was recorded: without a GradScaler pass it each step with watch.log(loss=loss). The loss "
             "chart is empty; the grad norm and the NaN/inf markers are drawn.")
