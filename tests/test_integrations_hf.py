@@ -395,11 +395,16 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_with_the_trainers_step_numbers(
     first = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "a.sqlite"))], bf16=True,
                          save_strategy="steps", save_steps=4)
     first.train()
-    resumed = make_trainer(tmp_path, [AmpwatchCallback(str(tmp_path / "b.sqlite"))], bf16=True)
+    before = (tmp_path / "a.sqlite").read_bytes()
+    # the same script, so the same path: the run before keeps its file, this one gets a sibling
+    callback = AmpwatchCallback(str(tmp_path / "a.sqlite"))
+    resumed = make_trainer(tmp_path, [callback], bf16=True)
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
     logs = [h for h in logged(resumed) if h["step"] > 4]  # its log_history holds the checkpoint's too
     assert [h["step"] for h in logs] == [5, 6]  # the premise: the Trainer went on from step 4
-    run = ampwatch.load(tmp_path / "b.sqlite")
+    assert sorted(p.name for p in tmp_path.glob("*.sqlite")) == ["a-2.sqlite", "a.sqlite"]
+    assert (tmp_path / "a.sqlite").read_bytes() == before
+    run = ampwatch.load(tmp_path / "a-2.sqlite")
     assert list(run.steps["step"]) == [h["step"] - 1 for h in logs] == [4, 5]
     assert list(run.steps["loss"]) == trainer_losses(logs)
     assert list(ampwatch.load(tmp_path / "a.sqlite").steps["step"]) == list(range(STEPS))

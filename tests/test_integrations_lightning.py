@@ -204,9 +204,10 @@ def test_a_fit_resumed_from_a_checkpoint_goes_on_with_the_trainers_step_numbers(
     """``fit(ckpt_path=...)``: the callback attaches after Lightning restored the checkpoint and
     numbers the rows from its global step. Ground truth: the trainer's global step before each
     optimizer step, and the losses its training_step returned."""
-    trainer = make_trainer([], max_steps=6)
+    trainer = make_trainer([AmpwatchCallback(str(tmp_path / "run.sqlite"))], max_steps=6)
     trainer.fit(Regressor(), loader())
     trainer.save_checkpoint(tmp_path / "six.ckpt")
+    before = (tmp_path / "run.sqlite").read_bytes()
 
     class Steps(L.Callback):
         def __init__(self) -> None:
@@ -216,10 +217,13 @@ def test_a_fit_resumed_from_a_checkpoint_goes_on_with_the_trainers_step_numbers(
             self.at.append(trainer.global_step)
 
     truth, steps = StepTruth(), Steps()
-    make_trainer([AmpwatchCallback(str(tmp_path / "resumed.sqlite")), truth, steps], max_steps=10).fit(
-        Regressor(), loader(), ckpt_path=str(tmp_path / "six.ckpt"))
+    # the same script, so the same path: the run before keeps its file, this one gets a sibling
+    callback = AmpwatchCallback(str(tmp_path / "run.sqlite"))
+    make_trainer([callback, truth, steps], max_steps=10).fit(Regressor(), loader(), ckpt_path=str(tmp_path / "six.ckpt"))
     assert steps.at == [6, 7, 8, 9]  # the premise: the trainer went on from step 6
-    run = ampwatch.load(tmp_path / "resumed.sqlite")
+    assert sorted(p.name for p in tmp_path.glob("*.sqlite")) == ["run-2.sqlite", "run.sqlite"]
+    assert (tmp_path / "run.sqlite").read_bytes() == before
+    run = ampwatch.load(tmp_path / "run-2.sqlite")
     assert list(run.steps["step"]) == steps.at
     assert list(run.steps["loss"]) == pytest.approx(truth.losses, rel=1e-6)
     assert list(run.steps["skipped"]) == truth.skipped

@@ -27,6 +27,7 @@ def test_an_existing_explicit_path_is_refused_with_one_line(tmp_path):
     with pytest.raises(RunExistsError, match=r"same\.sqlite' already exists: pass overwrite=True") as err:
         train(3, scaler_factory=lambda: torch.amp.GradScaler("cpu"), attach=_attach(target))
     assert "\n" not in str(err.value) and isinstance(err.value, ampwatch.RunError)
+    assert "a run resumed from a checkpoint goes to a new path, with first_step=" in str(err.value)
     assert target.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["same.sqlite"]
     assert len(ampwatch.load(target).steps) == 2
 

@@ -174,3 +174,16 @@ def test_an_optimizer_with_updates_and_no_first_step_is_noted(tmp_path, checkpoi
         with ampwatch.attach(m, o, s, path=tmp_path / f"{name}.sqlite", **options):
             _train(m, o, s, range(2))
         assert ampwatch.load(tmp_path / f"{name}.sqlite").notices.empty
+
+
+def test_attach_with_first_step_still_refuses_an_existing_path(tmp_path):
+    """Only the framework callbacks number a resumed run's file on (their script names the path the
+    run before had); an explicit attach path is never redirected."""
+    from ampwatch.errors import RunExistsError
+    path = tmp_path / "run.sqlite"
+    model = _model()
+    ampwatch.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), path=path).close()
+    before = path.read_bytes()
+    with pytest.raises(RunExistsError, match="a run resumed from a checkpoint goes to a new path"):
+        ampwatch.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), path=path, first_step=5)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["run.sqlite"]

@@ -211,14 +211,16 @@ def next_free(target: Path) -> Path:
 
 
 def resolve_path(path: Optional[str], name: Optional[str], rank: int, world_size: int,
-                 overwrite: bool = False) -> tuple[Path, Optional[str]]:
+                 overwrite: bool = False, resumed_by: Optional[str] = None) -> tuple[Path, Optional[str]]:
     """Where this process records, and a sentence to log when that is not the path as given.
 
     - no ``path``: ``runs/<name or timestamp>.sqlite``, numbered (``-2``...) if that file exists;
     - ``{rank}`` is filled in; under several ranks, a path that already names this rank is used as
       given (:func:`names_rank`) and a path shared by every rank gets ``.rank<N>`` before its suffix;
     - an explicit path that exists is never redirected: :class:`RunExistsError` unless
-      ``overwrite=True``, which removes the old file first.
+      ``overwrite=True``, which removes the old file first; except under a framework callback
+      (``resumed_by``) on a run resumed from a checkpoint, whose script gives the path the run
+      before it had: a numbered sibling, so that resuming never stops at the start.
     """
     explicit = path is not None
     if path is None:
@@ -241,9 +243,14 @@ def resolve_path(path: Optional[str], name: Optional[str], rank: int, world_size
             f"{str(target)!r} is a folder, not a run file: pass a file path, e.g. "
             f"path={str(target / 'run.sqlite')!r} (overwrite=True never replaces a folder)")
     if target.exists():
+        if not overwrite and resumed_by:
+            numbered = next_free(target)
+            return numbered, (f"{str(target)!r} holds the run before the checkpoint this {resumed_by} run "
+                              f"resumes from: this one records to {str(numbered)!r}")
         if not overwrite:
             raise RunExistsError(f"{str(target)!r} already exists: pass overwrite=True to replace it, or a new "
-                                 f"path (leave path=None for a fresh numbered file in runs/)")
+                                 f"path (leave path=None for a fresh numbered file in runs/); a run resumed from "
+                                 f"a checkpoint goes to a new path, with first_step=<the step it resumes at>")
         for suffix in ("", "-wal", "-shm", "-journal"):
             Path(f"{target}{suffix}").unlink(missing_ok=True)
     return target, note

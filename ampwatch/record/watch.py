@@ -163,8 +163,10 @@ class Watch:
 
     def _place(self, path: Optional[str], info: dict) -> None:
         """Where the run goes (an explicit existing path is refused unless overwrite=True) and its name."""
+        # a framework callback's resumed run: its script names the file the run before it wrote
+        resumed_by = self.options["framework"] if self._first_step > 0 else None
         self.path, note = resolve_path(path, info["name"], info["rank"], info["world_size"],
-                                       self.options["overwrite"])
+                                       self.options["overwrite"], resumed_by)
         if note:
             log.info("%s", note)
         info["name"] = info["name"] or self.path.stem
