@@ -187,3 +187,15 @@ def test_attach_with_first_step_still_refuses_an_existing_path(tmp_path):
     with pytest.raises(RunExistsError, match="a run resumed from a checkpoint goes to a new path"):
         ampwatch.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), path=path, first_step=5)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["run.sqlite"]
+
+
+def test_a_resumed_jobs_summary_gives_its_step_range(tmp_path):
+    """Two rank files of a job numbered from step 500 (written by the run writer, no training): the
+    job summary says which steps it holds, as a single run's does."""
+    from helpers.synthetic_job import write_rank
+    rows = [(500 + i, 0.0, 0.1, 1.0, 1024.0, 0, 0.5, 1e-3, 1, 0) for i in range(40)]
+    for rank in range(2):
+        write_rank(tmp_path, f"job.rank{rank}", rank, 2, rows, job_id="j1")
+    out = CliRunner().invoke(cli, ["summary", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    assert "steps    40 (steps 500-539)  skipped 0 (0.0%)" in out.output
