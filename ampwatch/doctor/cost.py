@@ -106,7 +106,7 @@ def cost_line(cost: Optional[DetailCost]) -> Optional[str]:
         return None
     if not cost.measurable:
         return (f"every {ordinal(cost.every)} step (per-layer detail) within the steps' noise: "
-                f"{cost.extra_s * 1e3:+,.2f} ms on {ms(cost.between_s)}, ±{ms(cost.noise_s)}")
+                f"{cost.extra_s * 1e3:+,.2f} ms on {ms(cost.between_s)}, +/-{ms(cost.noise_s)}")
     return (f"{cost.extra_s * 1e3:+,.2f} ms on every {ordinal(cost.every)} step (per-layer detail, "
             f"{cost.ratio:.3f}x): {cost.share:.2%} of the run's time")
 
@@ -133,7 +133,7 @@ def detail_cost_share(facts: "Facts") -> list["Finding"]:
         first, last,
         f"{_which_steps(facts, recent, every)}, the {cost.n_observed:,} steps with per-layer and per-module detail "
         f"(every {ordinal(every)}) took a median {ms(cost.observed_s)}, the {cost.n_between:,} steps between "
-        f"them {ms(cost.between_s)} ({cost.ratio:.3f}x; the steps' noise ±{ms(cost.noise_s)}); skipped steps "
+        f"them {ms(cost.between_s)} ({cost.ratio:.3f}x; the steps' noise +/-{ms(cost.noise_s)}); skipped steps "
         f"left out",
         f"To pay under {SHARE_NOTE:.0%}, attach with layer_every={better:,} (per-layer figures every {better:,} "
         f"steps: {cost.extra_s / (better * cost.between_s):.2%} of the run's time). Skipped and non-finite steps "
