@@ -22,16 +22,16 @@ BASE_S = 0.010
 EXTRA_S = 0.020
 
 
-def _run(path, *, extra_s: float, steps: int = 60) -> None:
-    """fp16 + GradScaler on a tiny MLP; every step sleeps BASE_S, every EVERY-th ``extra_s`` more,
-    by the loop's own count."""
+def _run(path, *, extra_s: float, steps: int = 60, base_s: float = BASE_S) -> None:
+    """fp16 + GradScaler on a tiny MLP; every step sleeps ``base_s``, every EVERY-th ``extra_s``
+    more, by the loop's own count."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     at = {"step": 0}
     model.register_forward_pre_hook(
-        lambda m, a: time.sleep(BASE_S + (extra_s if at["step"] % EVERY == 0 else 0.0)))
+        lambda m, a: time.sleep(base_s + (extra_s if at["step"] % EVERY == 0 else 0.0)))
     x, y = torch.randn(32, 16), torch.randn(32, 4)
     with ampwatch.attach(model, opt, scaler, path=path, layer_every=EVERY):
         for step in range(steps):
@@ -50,14 +50,16 @@ def test_a_slow_detail_step_is_measured_and_a_layer_every_proposed(tmp_path, res
     run = ampwatch.load(path)
     cost = detail_cost(run.steps, run.info["layer_every"])
     assert cost is not None and cost.measurable and cost.n_observed == 11  # steps 5..55, past the first block
-    # the 20 ms the loop added, plus what the detail itself costs this tiny model (well under 5 ms)
-    assert EXTRA_S - 0.002 < cost.extra_s < EXTRA_S + 0.008
-    assert BASE_S < cost.between_s < BASE_S + 0.010
+    # the 20 ms the loop added, plus what the detail itself costs this tiny model (about half a
+    # millisecond), give or take what a busy machine does to two medians
+    lo, hi = 0.7 * EXTRA_S, EXTRA_S + 0.010
+    assert lo < cost.extra_s < hi
+    assert BASE_S < cost.between_s < BASE_S + 0.015
     found = [f for f in ampwatch.diagnose(run) if f.id == "detail-cost"]
     assert len(found) == 1 and found[0].severity == "info"
     every = cost.every_for(SHARE_NOTE)
     # the layer_every that brings the share under 1%, bounded from the injected delay
-    assert int(np.ceil(EXTRA_S / (SHARE_NOTE * (BASE_S + 0.010)))) <= every <= int(np.ceil((EXTRA_S + 0.008) / (SHARE_NOTE * BASE_S)))
+    assert int(np.ceil(lo / (SHARE_NOTE * (BASE_S + 0.015)))) <= every <= int(np.ceil(hi / (SHARE_NOTE * BASE_S)))
     assert f"attach with layer_every={every:,}" in found[0].advice
     assert f"costs {cost.share:.1%} of this run's time" in found[0].title and cost.share > 0.2
     out = CliRunner().invoke(cli, ["summary", str(path)])
@@ -71,14 +73,17 @@ def test_a_slow_detail_step_is_measured_and_a_layer_every_proposed(tmp_path, res
 
 
 def test_a_detail_step_that_costs_little_is_not_a_finding(tmp_path):
+    """Steps of 40 ms, alike: the tiny MLP's own detail (about half a millisecond here) is well
+    under 1% of them, one step in five."""
     path = tmp_path / "even.sqlite"
-    _run(path, extra_s=0.0)
+    _run(path, extra_s=0.0, base_s=0.040)
     run = ampwatch.load(path)
     cost = detail_cost(run.steps, run.info["layer_every"])
-    assert cost is not None and abs(cost.extra_s) < 0.005  # the detail of a tiny MLP: under a millisecond or so
-    assert not [f for f in ampwatch.diagnose(run) if f.id == "detail-cost"] or cost.share > SHARE_NOTE
+    assert cost is not None and abs(cost.extra_s) < 0.005 and 0.040 < cost.between_s < 0.055
+    assert cost.share < SHARE_NOTE
+    assert not [f for f in ampwatch.diagnose(run) if f.id == "detail-cost"]
     out = CliRunner().invoke(cli, ["summary", str(path)])
-    assert out.exit_code == 0 and "recorder " in out.output and "every 5th step" in out.output
+    assert out.exit_code == 0 and "every 5th step" in out.output.split("recorder ")[1]
 
 
 def _steps(durations, every=EVERY, skipped=()):
