@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
-from torch.nn import functional as F
 
 import ampwatch
 from ampwatch.cli.main import cli
 from ampwatch.doctor.cost import SHARE_NOTE, detail_cost
+from helpers.loops import amp_step
 
 EVERY = 5
 BASE_S = 0.010
@@ -36,12 +36,7 @@ def _run(path, *, extra_s: float, steps: int = 60, base_s: float = BASE_S) -> No
     with ampwatch.attach(model, opt, scaler, path=path, layer_every=EVERY):
         for step in range(steps):
             at["step"] = step
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+            amp_step(model, opt, scaler, x, y)
 
 
 def test_a_slow_detail_step_is_measured_and_a_layer_every_proposed(tmp_path, restore_runs_env):

@@ -13,7 +13,7 @@ import numpy as np
 from ..doctor import SEVERITIES, Finding
 from ..doctor.finding import counted
 from ..doctor.warmup import WARMUP_NOTE, expected_overflow
-from .report import wrap
+from .report import numbered, wrap
 from ..jobs.group import RunGroup, rank_list
 from ..jobs.combine import first_nonfinite
 
@@ -62,13 +62,6 @@ def rank_lines(group: RunGroup, ov: Any) -> list[str]:
     return lines
 
 
-def _numbered(g) -> str:
-    """" (steps 500-749)" for a job that does not start at step 0 (resumed: first_step)."""
-    if not len(g) or int(g["step"].iloc[0]) == 0:
-        return ""
-    return f" (steps {int(g['step'].iloc[0]):,}-{int(g['step'].iloc[-1]):,})"
-
-
 def format_job_summary(group: RunGroup) -> str:
     """Headline figures of a job across its ranks (uses the fast overview)."""
     ov = group.overview()
@@ -83,7 +76,7 @@ def format_job_summary(group: RunGroup) -> str:
     norms = norms[np.isfinite(norms)]
     scale = g["loss_scale"].dropna().astype(float)
     lines = [job_header(group, ov),
-             f"steps    {n}{_numbered(g)}  skipped {skipped} ({100.0 * skipped / n if n else 0.0:.1f}%)  {agree}"]
+             f"steps    {n}{numbered(*g['step'].iloc[[0, -1]]) if len(g) else ''}  skipped {skipped} ({100.0 * skipped / n if n else 0.0:.1f}%)  {agree}"]
     if len(g):
         last = g.iloc[-1]
         lines.append(f"loss     mean over ranks: first {_fmt(g['loss_mean'].iloc[0])}  last {_fmt(last['loss_mean'])}  "

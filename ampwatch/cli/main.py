@@ -130,9 +130,10 @@ def summary(path: str) -> None:
 
 def _summary_text(s: dict, file: str) -> str:
     """``file``: the run file's name; a run's name need not be its file's (a renamed copy)."""
+    from .report import numbered
     return "\n".join([
         f"run      {s['name']}  ({s['status']}, {s['amp_dtype'] or 'no autocast seen'}, {s['device']})  file {file}",
-        f"steps    {s['steps']}{_numbered(s)}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)"
+        f"steps    {s['steps']}{numbered(s.get('first_step'), s.get('last_step'))}  skipped {s['skipped']} ({s['skipped_pct']:.1f}%)"
         + (f"; {s['unfinished_text']}" if s.get("unfinished_text") else ""),
         f"loss     first {_fmt(s['loss_first'])}  last {_fmt(s['loss_last'])}  min {_fmt(s['loss_min'])}",
         f"scale    start {_fmt(s['scale_start'])}  min {_fmt(s['scale_min'])}  final {_fmt(s['scale_final'])}",
@@ -142,12 +143,6 @@ def _summary_text(s: dict, file: str) -> str:
         + _memory_lines(s)
         + ([f"recorder {s['detail_cost']}"] if s.get("detail_cost") else [])
         + [f"{'crashed' if i == 0 else '':<8} {line}" for i, line in enumerate(s.get("error_tail") or [])])
-
-
-def _numbered(s: dict) -> str:
-    """" (steps 500-749)" for a run that does not start at step 0 (resumed: first_step)."""
-    first = s.get("first_step")
-    return f" (steps {first:,}-{s['last_step']:,})" if first else ""
 
 
 def _nonfinite_line(s: dict) -> str:

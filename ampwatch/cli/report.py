@@ -8,6 +8,11 @@ from typing import Any
 from ..doctor.finding import SEVERITIES, Finding, counted, health, span
 
 
+def numbered(first: Any, last: Any) -> str:
+    """" (steps 500-749)" for a run or a job that does not start at step 0 (resumed: first_step)."""
+    return f" (steps {int(first):,}-{int(last):,})" if first else ""
+
+
 def health_line(run: Any, findings: list[Finding], width: int = 28) -> str:
     """One line per run: name, then its health."""
     return f"{run.name:<{width}} {health(findings)}"

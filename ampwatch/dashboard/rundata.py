@@ -257,15 +257,14 @@ def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = N
 def detail_cost_text(path: Any) -> Optional[str]:
     """What the per-layer detail steps cost the run, as ``ampwatch summary`` says it (doctor/cost.py),
     from the last RECENT_STEPS steps' times: a primary-key range, milliseconds on any run."""
-    from ..doctor.cost import RECENT_STEPS, cost_line, detail_cost
+    from ..doctor.cost import cost_line, recent_cost
     with open_run(path) as conn:
-        every = conn.run_row.get("layer_every")
         first, last = conn.execute("SELECT MIN(step), MAX(step) FROM steps").fetchone()
         if first is None:
             return None
-        df = frame_of(conn, "SELECT step, skipped, duration_s FROM steps WHERE step >= ? ORDER BY step",
-                      (max(first, last - RECENT_STEPS),))
-    return cost_line(detail_cost(df, every, first=first))
+        cost, _ = recent_cost(lambda sql, params: frame_of(conn, sql, params), first, last,
+                              conn.run_row.get("layer_every"))
+    return cost_line(cost)
 
 
 MEMORY_COLUMNS = ("host_rss", "device_allocated", "device_reserved")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -90,6 +90,16 @@ def detail_cost(steps: pd.DataFrame, every: Optional[int], first: Optional[int] 
     return DetailCost(every, float(np.median(observed)), middle, noise, len(observed), len(between))
 
 
+def recent_cost(ask: Callable[[str, tuple], pd.DataFrame], first: int, last: int,
+                every: Optional[int]) -> tuple[Optional[DetailCost], pd.DataFrame]:
+    """:func:`detail_cost` over the last RECENT_STEPS steps, read with ``ask`` (SQL and parameters to
+    a DataFrame): plenty for two medians (1,000 detail steps at the default), and a range of the
+    primary key reads in milliseconds where all of a 1,000,000-step run's step times take a second."""
+    recent = ask("SELECT step, skipped, duration_s FROM steps WHERE step >= ? ORDER BY step",
+                 (max(first, last - RECENT_STEPS),))
+    return detail_cost(recent, every, first=first), recent
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f} ms"
 
@@ -114,12 +124,7 @@ def cost_line(cost: Optional[DetailCost]) -> Optional[str]:
 def detail_cost_share(facts: "Facts") -> list["Finding"]:
     """Info: the per-layer detail costs more than SHARE_NOTE of the run's time, and the
     ``layer_every`` that would bring it under."""
-    # the last RECENT_STEPS steps are plenty for two medians (1,000 detail steps at the default),
-    # and a range of the primary key reads in milliseconds where all of a 1,000,000-step run's
-    # step times would take a second
-    recent = facts.ask("SELECT step, skipped, duration_s FROM steps WHERE step >= ? ORDER BY step",
-                       (max(facts.first_step, facts.last_step - RECENT_STEPS),))
-    cost = detail_cost(recent, facts.info.get("layer_every"), first=facts.first_step)
+    cost, recent = recent_cost(facts.ask, facts.first_step, facts.last_step, facts.info.get("layer_every"))
     if cost is None or not cost.measurable or cost.share <= SHARE_NOTE:
         return []
     every = cost.every

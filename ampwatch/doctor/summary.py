@@ -9,7 +9,7 @@ import pandas as pd
 from ..store.guard import reads
 from ..store.reader import connect
 from ..store.schema import STEP_NAN_BITS
-from .cost import cost_line, detail_cost
+from .cost import cost_line, recent_cost
 from .ending import UNFINISHED, traceback_tail
 from .warmup import SCALE_FREE_PHASES, warmup_end, warmup_in_file
 
@@ -99,7 +99,8 @@ def summarize(run: Any) -> dict[str, Any]:
         "amp_dtype": info.get("amp_dtype"), "device": info.get("device"),
         "error_tail": error_tail(info) if info.get("status") == "crashed" else [],
         # what the per-layer detail steps cost, from the run's own step times (doctor/cost.py)
-        "detail_cost": cost_line(detail_cost(steps, info.get("layer_every"))),
+        "detail_cost": cost_line(recent_cost(run.query, int(steps["step"].iloc[0]), int(steps["step"].iloc[-1]),
+                                             info.get("layer_every"))[0]) if n else None,
         **_unfinished(run, steps, measured),
         **_memory(run.memory),
     }
