@@ -352,3 +352,58 @@ def test_the_dashboard_bench_builds_a_run_of_any_length_with_its_faults_in_place
                            "print(m.spike, m.nan_steps, m.skip_burst)"], cwd=bench.parent,
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.split("\n")[0] == "654321 (400003, 777777) (500000, 500050)", done.stderr[-2000:]
+
+
+def test_spread_reads_return_what_one_connection_returns(real_run, million, tmp_path, monkeypatch):
+    """The dashboard's bucket scans spread over several read-only connections (store/parallel.py):
+    every reader count gives exactly the rows one connection gives (the truth tests above run on the
+    machine's own count)."""
+    from ampwatch.store import parallel
+    layers = _synthetic(tmp_path / "layers.sqlite", 200_000, params=12, layer_every=20,
+                        layer_spike=((123_460, 7, 5e4),), layer_nan=((88_880, 3),))
+    reads = {"overview": lambda: rundata.overview_data(million),
+             "overview, zoomed": lambda: rundata.overview_data(million, 399_000, 801_234),
+             "overview, 8 buckets": lambda: rundata.overview_data(real_run, buckets=8),
+             "heatmap": lambda: layerdata.layer_heatmap(layers, buckets=50),
+             "heatmap, param_norm": lambda: layerdata.layer_heatmap(layers, "param_norm", buckets=50),
+             "headroom": lambda: layerdata.module_headroom(real_run, buckets=200)}
+
+    def read_all() -> dict:
+        out = {}
+        for name, read in reads.items():
+            got = read()
+            out[name] = (got.steps, got.skipped_steps.tolist(), got.nonfinite_steps.tolist(),
+                         got.scale_changes, got.bucket) if name.startswith("overview") else \
+                (got.values, got.nonfinite, got.bucket_starts) if name.startswith("heatmap") else got
+        return out
+
+    monkeypatch.setattr(parallel, "READERS", 1)
+    one = read_all()
+    assert one["heatmap"][0][7, 123_460 // 4000] == 5e4 and one["heatmap"][1][3, 88_880 // 4000]
+    for readers in (2, 3, 4):
+        monkeypatch.setattr(parallel, "READERS", readers)
+        many = read_all()
+        for name in reads:
+            for a, b in zip(one[name] if isinstance(one[name], tuple) else (one[name],),
+                            many[name] if isinstance(many[name], tuple) else (many[name],)):
+                if isinstance(a, pd.DataFrame):
+                    pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+                else:
+                    assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=np.asarray(a).dtype.kind == "f"), \
+                        (name, readers)
+
+
+def test_spread_read_keeps_order_uses_its_connections_and_says_one_line_for_a_bad_file(real_run, tmp_path, monkeypatch):
+    import threading
+    from ampwatch.store import parallel
+    monkeypatch.setattr(parallel, "READERS", 3)
+    seen = parallel.read_spread(real_run, lambda c, i: (i, threading.get_ident(), id(c),
+                                                      c.execute("SELECT ?", (i,)).fetchone()[0]), range(100))
+    assert [s[0] for s in seen] == list(range(100)) == [s[3] for s in seen]
+    assert len({s[1] for s in seen}) == 3 and len({s[2] for s in seen}) == 3  # three threads, three connections
+    assert len(set(parallel.read_spread(real_run, lambda c, i: threading.get_ident(), range(20)))) == 1  # too few: one
+    bad = tmp_path / "notes.sqlite"
+    bad.write_text("not a run\n" * 100)
+    with pytest.raises(RunError) as err:
+        parallel.read_spread(bad, lambda c, i: i, range(100))
+    assert "notes.sqlite" in str(err.value) and "\n" not in str(err.value)

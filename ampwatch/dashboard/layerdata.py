@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..store.guard import reads
+from ..store.parallel import read_spread
 from .rundata import DTYPE_MAX, frame_of, run_info
 from ..store.reader import aliases_in, open_run
 from ..store.schema import INF_BOUND, LAYER_NAN_BITS, STEP_NAN_BITS
@@ -113,8 +114,10 @@ def layer_heatmap(path: Any, metric: str = "grad_norm", start: Optional[int] = N
             f"SELECT step FROM steps WHERE step BETWEEN ? AND ? AND ((nan_mask & {STEP_NAN_BITS['grad_norm']}) != 0"
             f" OR abs(grad_norm) > {INF_BOUND})", (start, end))], dtype=np.int64)
         bad_cols = set((np.searchsorted(cols, bad_steps, side="right") - 1).tolist())
-        rows = [r for i, (lo, hi) in enumerate(zip(cols.tolist(), bounds.tolist()))
-                for r in conn.execute(flagged if i in bad_cols else plain, (i, lo, hi, end)).fetchall()]
+        buckets_read = [(i, lo, hi) for i, (lo, hi) in enumerate(zip(cols.tolist(), bounds.tolist()))]
+        parts = read_spread(conn.path, lambda c, b: c.execute(flagged if b[0] in bad_cols else plain,
+                                                              (*b, end)).fetchall(), buckets_read)
+        rows = [r for part in parts for r in part]
     data = pd.DataFrame(rows, columns=["col", "pid", "value"]).to_numpy(dtype=float, na_value=math.nan)
     data = data.reshape(-1, 3)
     ids = names["id"].to_numpy(dtype=np.int64)  # sorted: ORDER BY id
@@ -181,7 +184,8 @@ def module_headroom(path: Any, start: Optional[int] = None, end: Optional[int] =
         # MAX only, one integer key: the per-bucket sort is the cost (15M rows: ~4 s, bench/dashboard.py).
         sql = ("SELECT module_id * 2 + phase, MAX(amax) FROM modules WHERE step >= ? AND step < ? AND step <= ?"
                " GROUP BY 1")
-        parts = [conn.execute(sql, (lo_, lo_ + width, end)).fetchall() for lo_ in range(start, end + 1, width)]
+        parts = read_spread(conn.path, lambda c, lo_: c.execute(sql, (lo_, lo_ + width, end)).fetchall(),
+                            range(start, end + 1, width))
         bad = frame_of(conn, "SELECT module, phase, COUNT(DISTINCT step) AS nonfinite_steps FROM events"
                         " WHERE step BETWEEN ? AND ? AND phase IN ('forward', 'backward') GROUP BY module, phase",
                   (start, end))

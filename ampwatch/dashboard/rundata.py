@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from ..store.guard import reads
+from ..store.parallel import read_spread, readers
 from ..errors import RunError
 from ..store.reader import (RunConnection, aliases_in, decode_nan_mask, event_columns, clip_threshold, effective_status,
                             find_runs, has_table, nonfinite_counts, open_run)
@@ -159,14 +160,17 @@ _MARK_ENDS_SQL = ("SELECT MIN(CASE WHEN skipped THEN step END), MAX(CASE WHEN sk
 _STEP_COLS = "s.step, s.loss, s.loss_scale, s.skipped, s.grad_norm, s.lr, s.nan_mask"
 
 
-def _bucket_stats(conn: sqlite3.Connection, start: int, end: int, width: int) -> np.ndarray:
-    """One aggregate per primary-key range (a loop over buckets, never over rows; no sort)."""
-    rows = [conn.execute(_BUCKET_SQL, (lo, lo + width, end)).fetchone() for lo in range(start, end + 1, width)]
+def _bucket_stats(conn: RunConnection, start: int, end: int, width: int) -> np.ndarray:
+    """One aggregate per primary-key range (a loop over buckets, never over rows; no sort), the
+    buckets spread over a few connections (store/parallel.py)."""
+    rows = read_spread(conn.path, lambda c, lo: c.execute(_BUCKET_SQL, (lo, lo + width, end)).fetchone(),
+                       range(start, end + 1, width))
     return pd.DataFrame([r for r in rows if r[0] is not None]).to_numpy(dtype=float, na_value=math.nan).reshape(-1, 12)
 
 
-def _mark_ends(conn: sqlite3.Connection, start: int, end: int, width: int) -> np.ndarray:
-    rows = [conn.execute(_MARK_ENDS_SQL, (lo, lo + width, end)).fetchone() for lo in range(start, end + 1, width)]
+def _mark_ends(conn: RunConnection, start: int, end: int, width: int) -> np.ndarray:
+    rows = read_spread(conn.path, lambda c, lo: c.execute(_MARK_ENDS_SQL, (lo, lo + width, end)).fetchone(),
+                       range(start, end + 1, width))
     return pd.DataFrame(rows).to_numpy(dtype=float, na_value=math.nan).ravel()
 
 
@@ -179,9 +183,10 @@ def _scale_changes(conn: sqlite3.Connection, start: int, end: int, limit: int = 
     return df
 
 
-def downsample_steps(conn: sqlite3.Connection, start: int, end: int, buckets: int = STEP_BUCKETS
-                     ) -> tuple[pd.DataFrame, int]:
-    """Step rows in [start, end] for drawing: all of them when few, else the rows chosen in the module doc."""
+def downsample_steps(conn: RunConnection, start: int, end: int, buckets: int = STEP_BUCKETS,
+                     changes: Optional[pd.DataFrame] = None) -> tuple[pd.DataFrame, int]:
+    """Step rows in [start, end] for drawing: all of them when few, else the rows chosen in the module doc.
+    ``changes``: the range's loss-scale changes, up to ``EXACT_MARKS_LIMIT + 1`` (read here if not given)."""
     n = end - start + 1
     if n <= 2 * buckets:
         df = frame_of(conn, f"SELECT {_STEP_COLS} FROM steps s WHERE s.step BETWEEN ? AND ? ORDER BY s.step",
@@ -194,7 +199,8 @@ def downsample_steps(conn: sqlite3.Connection, start: int, end: int, buckets: in
     if stats[:, 10].sum() > EXACT_MARKS_LIMIT or stats[:, 11].sum() > EXACT_MARKS_LIMIT:
         exact = "0"  # too many to draw one by one: the first and last of each bucket still mark it
         extra.append(_mark_ends(conn, start, end, width))
-    changes = _scale_changes(conn, start, end, EXACT_MARKS_LIMIT + 1)
+    if changes is None:
+        changes = _scale_changes(conn, start, end, EXACT_MARKS_LIMIT + 1)
     scale_rule = "0"
     if len(changes) > EXACT_MARKS_LIMIT:  # a scale that changes on most steps: its min/max per bucket instead
         scale_rule = "(a.c0 < a.c1 AND s.loss_scale IN (a.c0, a.c1))"
@@ -206,23 +212,33 @@ def downsample_steps(conn: sqlite3.Connection, start: int, end: int, buckets: in
     head = stats[:, :10]
     cells = head.astype(object)
     cells[~np.isfinite(head)] = None
-    buckets_json = json.dumps(cells.tolist())
-    marked = [int(k) for k in np.flatnonzero(stats[:, 10] + stats[:, 11] > 0)]
+    marked = stats[:, 10] + stats[:, 11] > 0
     # Three parts, each as cheap as it can be: the spread rules scan every bucket once; the exact marks
     # scan only buckets that have one; the extra steps are primary-key seeks. UNION drops duplicates.
-    sql = ("WITH a(k, lo, hi, l0, l1, g0, g1, r0, r1, c0, c1) AS MATERIALIZED (SELECT key, value->>0, value->>1,"
+    sql = ("WITH a(lo, hi, l0, l1, g0, g1, r0, r1, c0, c1) AS MATERIALIZED (SELECT value->>0, value->>1,"
            " value->>2, value->>3, value->>4, value->>5, value->>6, value->>7, value->>8, value->>9"
-           " FROM json_each(:b)), m(k) AS MATERIALIZED (SELECT value FROM json_each(:m)),"
-           " am AS MATERIALIZED (SELECT a.* FROM m CROSS JOIN a ON a.k = m.k)"
+           " FROM json_each(:b)), am(lo, hi) AS MATERIALIZED (SELECT value->>0, value->>1 FROM json_each(:m))"
            f" SELECT {_STEP_COLS} FROM a CROSS JOIN steps s ON s.step >= a.lo AND s.step <= a.hi"
            " WHERE (a.l0 < a.l1 AND s.loss IN (a.l0, a.l1)) OR (a.g0 < a.g1 AND s.grad_norm IN (a.g0, a.g1))"
            f" OR (a.r0 < a.r1 AND s.lr IN (a.r0, a.r1)) OR {scale_rule}"
            f" UNION SELECT {_STEP_COLS} FROM am CROSS JOIN steps s ON s.step >= am.lo AND s.step <= am.hi"
            f" WHERE {exact}"
-           f" UNION SELECT {_STEP_COLS} FROM steps s WHERE s.step IN (SELECT value FROM json_each(:x))"
-           " ORDER BY 1")
-    df = frame_of(conn, sql, {"b": buckets_json, "x": json.dumps(extra_steps), "m": json.dumps(marked)})
-    return _steps_frame(df), width
+           f" UNION SELECT {_STEP_COLS} FROM steps s WHERE s.step IN (SELECT value FROM json_each(:x))")
+    # The buckets cut into a few contiguous parts, each one query on a connection of its own
+    # (store/parallel.py); a step chosen by two parts (an extra step) is kept once.
+    parts = np.array_split(np.arange(len(stats)), readers())
+    extra_at = np.array(extra_steps, dtype=np.int64)
+
+    def chosen(c: sqlite3.Connection, rows: np.ndarray) -> pd.DataFrame:
+        lo = stats[rows[0], 0] if rows[0] > 0 else -math.inf  # the extra steps of this part's steps
+        hi = stats[rows[-1], 1] if rows[-1] < len(stats) - 1 else math.inf
+        mine = extra_at[(extra_at >= lo) & (extra_at <= hi)]
+        return frame_of(c, sql, {"b": json.dumps(cells[rows].tolist()), "x": json.dumps(mine.tolist()),
+                                 "m": json.dumps(head[rows][marked[rows]][:, :2].tolist())})
+
+    frames = read_spread(conn.path, chosen, [p for p in parts if len(p)], min_each=1)
+    df = pd.concat(frames, ignore_index=True).drop_duplicates("step").sort_values("step", kind="stable")
+    return _steps_frame(df.reset_index(drop=True)), width
 
 
 def run_info(conn: RunConnection) -> dict[str, Any]:
@@ -246,8 +262,9 @@ def overview_data(path: Any, start: Optional[int] = None, end: Optional[int] = N
             empty = _steps_frame(frame_of(conn, f"SELECT {_STEP_COLS} FROM steps s LIMIT 0"))
             return Overview(empty, np.array([], dtype=np.int64), np.array([], dtype=np.int64),
                             pd.DataFrame(columns=["step", "loss_scale", "previous", "kind"]), 1, info=info)
-        steps, width = downsample_steps(conn, start, end, buckets)
-        changes = _scale_changes(conn, start, end)
+        changes = _scale_changes(conn, start, end, EXACT_MARKS_LIMIT + 1)
+        steps, width = downsample_steps(conn, start, end, buckets, changes)
+        changes = changes.iloc[:EXACT_MARKS_LIMIT].reset_index(drop=True)
     skipped = steps["step"][steps["skipped"]].to_numpy(dtype=np.int64)
     nonfinite = steps["step"][steps["nonfinite"]].to_numpy(dtype=np.int64)
     return Overview(steps, skipped, nonfinite, changes, width, start, end, info)
