@@ -20,7 +20,7 @@ from ampwatch.dashboard.layerdata import LAYER_METRICS, grid_frame  # noqa: F401
 from ampwatch.errors import RunError
 from ampwatch.store.reader import RUN_SUFFIXES
 
-AUTO_DOCTOR_STEPS = 1_000_000  # ~5 s of doctor at 1M steps (bench/doctor.py); bigger runs ask first
+AUTO_DOCTOR_STEPS = 1_000_000  # ~8 s of doctor at 1M steps on 2 cores (bench/doctor.py); bigger runs ask first
 
 
 def stamp(path: Path) -> tuple:

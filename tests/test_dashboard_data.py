@@ -402,6 +402,7 @@ def test_spread_read_keeps_order_uses_its_connections_and_says_one_line_for_a_ba
     assert [s[0] for s in seen] == list(range(100)) == [s[3] for s in seen]
     assert len({s[1] for s in seen}) == 3 and len({s[2] for s in seen}) == 3  # three threads, three connections
     assert len(set(parallel.read_spread(real_run, lambda c, i: threading.get_ident(), range(20)))) == 1  # too few: one
+    assert parallel.step_ranges(0, 9, 3) == [(0, 2), (3, 5), (6, 9)] and parallel.step_ranges(5, 5, 4) == [(5, 5)]
     bad = tmp_path / "notes.sqlite"
     bad.write_text("not a run\n" * 100)
     with pytest.raises(RunError) as err:

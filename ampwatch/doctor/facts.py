@@ -20,6 +20,7 @@ import pandas as pd
 
 from .finding import Finding
 from .warmup import nan_tail_start, warmup_of
+from ..store.parallel import read_spread, readers, step_ranges
 from ..store.reader import connect, decode_nan_mask, has_table, negative_inf_count, nonfinite_counts
 from ..store.schema import LAYER_NAN_BITS, STEP_NAN_BITS
 
@@ -61,6 +62,22 @@ class Facts:
 
     def _query(self, sql: str, params: tuple = ()) -> pd.DataFrame:
         return pd.read_sql_query(sql, self._conn, params=params)
+
+    def _spread(self, query: Any, first: Optional[int], last: int) -> pd.DataFrame:
+        """A scan of a detail table over steps ``[first, last]`` (``first`` None: from the start) as
+        ``query(lo, hi) -> (sql, params)`` over contiguous ranges of steps, each range read on a
+        connection of its own (store/parallel.py); the frames joined in step order."""
+        lo = self.first_step if first is None else first
+        ranges = step_ranges(lo, last, readers()) if last >= lo else [(lo, last)]
+        if first is None:
+            ranges[0] = (_NO_STEP, ranges[0][1])  # rows before the first step row, if any
+
+        def read(conn: Any, steps: tuple[int, int]) -> pd.DataFrame:
+            sql, params = query(*steps)
+            return pd.read_sql_query(sql, conn, params=params)
+
+        frames = read_spread(self._run.path, read, ranges, min_each=1)
+        return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
 
     def _read_steps(self) -> tuple[pd.DataFrame, bool]:
         s = self._query("SELECT step, loss, loss_scale, skipped, grad_norm, nan_mask FROM steps ORDER BY step")
@@ -298,19 +315,22 @@ class Facts:
         grad_amax, grad_zero_frac. ``min_zero_frac`` keeps only rows with at least that fraction."""
         # SQLite tests the terms in the order written: the rare one first, the id list last.
         rare, rare_params = ("grad_zero_frac >= ? AND ", (min_zero_frac,)) if min_zero_frac is not None else ("", ())
-        df = self._query(f"SELECT param_id, step, grad_amax, grad_zero_frac FROM layers"
-                         f" WHERE {rare}step BETWEEN ? AND ? AND (nan_mask & ?) = 0 AND grad_amax {_FINITE} AND grad_zero_frac IS NOT NULL"
-                         f" AND param_id IN (SELECT value FROM json_each(?)) ORDER BY step, param_id",
-                         rare_params + (_NO_STEP if first is None else first, last, LAYER_NAN_BITS["grad_amax"],
-                                        self._ids(names)))
+        sql = (f"SELECT param_id, step, grad_amax, grad_zero_frac FROM layers"
+               f" WHERE {rare}step BETWEEN ? AND ? AND (nan_mask & ?) = 0 AND grad_amax {_FINITE} AND grad_zero_frac IS NOT NULL"
+               f" AND param_id IN (SELECT value FROM json_each(?)) ORDER BY step, param_id")
+        ids = self._ids(names)
+        df = self._spread(lambda lo, hi: (sql, rare_params + (lo, hi, LAYER_NAN_BITS["grad_amax"], ids)),
+                          first, last)
         df[["grad_amax", "grad_zero_frac"]] = df[["grad_amax", "grad_zero_frac"]].astype(float)
         return self._named(df, "param_id", "name")
 
     def modules_reaching(self, amax: float, last: int, names: Iterable[str]) -> dict[str, int]:
         """How many finite forward rows of modules ``names`` up to step ``last`` reach ``amax``, by name."""
-        df = self._query("SELECT module_id, COUNT(*) AS n FROM modules WHERE amax >= ? AND phase = 0 AND nonfinite = 0"
-                         " AND step <= ? AND module_id IN (SELECT value FROM json_each(?))"
-                         " GROUP BY module_id", (amax, last, self._ids(names)))
+        ids = self._ids(names)
+        df = self._spread(lambda lo, hi: ("SELECT module_id, COUNT(*) AS n FROM modules WHERE amax >= ? AND phase = 0"
+                                          " AND nonfinite = 0 AND step BETWEEN ? AND ? AND module_id IN"
+                                          " (SELECT value FROM json_each(?)) GROUP BY module_id", (amax, lo, hi, ids)),
+                          None, last)
         counts = self._named(df, "module_id", "module").groupby("module")["n"].sum()
         return {str(k): int(v) for k, v in counts.items()}
 

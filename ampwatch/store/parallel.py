@@ -64,3 +64,11 @@ def read_spread(path: Path, query: Callable[[sqlite3.Connection, T], R], items: 
 
     with ThreadPoolExecutor(len(slices), thread_name_prefix="ampwatch-read") as pool:
         return [result for part in pool.map(read, slices) for result in part]
+
+
+def step_ranges(first: int, last: int, parts: int) -> list[tuple[int, int]]:
+    """``[first, last]`` cut into at most ``parts`` contiguous ranges of steps, in order, covering
+    every step once: for a scan of a whole table read as :func:`read_spread`'s items."""
+    parts = max(1, min(parts, last - first + 1))
+    cuts = [first + (last - first + 1) * i // parts for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1] - 1) for i in range(parts)]
