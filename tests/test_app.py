@@ -63,6 +63,13 @@ def _frame(at: AppTest, column: str) -> pd.DataFrame:
     return next(d.value for d in at.dataframe if column in d.value.columns)
 
 
+def _walk(node):
+    """The page's elements in the order they are drawn (containers filled later keep their place)."""
+    for child in getattr(node, "children", {}).values():
+        yield child
+        yield from _walk(child)
+
+
 def _metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
 
@@ -419,6 +426,9 @@ def test_findings_show_their_severity_and_only_causes_are_root_causes():
     for f, card in zip(shown, cards):
         assert f"{f.severity.upper()}]" in card and f.title in card  # a coloured ERROR/WARNING/INFO badge
     assert at.subheader[0].value == "Root causes"
+    # the doctor runs after the charts (a long run's charts need not wait for it), into a box above them
+    order = [getattr(n, "type", "") for n in _walk(at.main)]
+    assert order.index("subheader") < order.index("metric") < order.index("plotly_chart")
     origin = next(f for f in found if f.id == "nonfinite-origin")  # not the warm-up or a handled skip
     assert _metric(at, "NaN/inf born at step") == str(origin.steps[0]) and "step 120" in origin.title
     healthy = _open(SAMPLES, "overview", "healthy_fp16.sqlite")  # only "nothing to fix" notes
