@@ -397,14 +397,31 @@ def test_spread_read_keeps_order_uses_its_connections_and_says_one_line_for_a_ba
     import threading
     from ampwatch.store import parallel
     monkeypatch.setattr(parallel, "READERS", 3)
-    seen = parallel.read_spread(real_run, lambda c, i: (i, threading.get_ident(), id(c),
+    seen = parallel.read_spread(real_run, lambda c, i: (i, threading.get_ident(), c,
                                                       c.execute("SELECT ?", (i,)).fetchone()[0]), range(100))
     assert [s[0] for s in seen] == list(range(100)) == [s[3] for s in seen]
-    assert len({s[1] for s in seen}) == 3 and len({s[2] for s in seen}) == 3  # three threads, three connections
-    assert len(set(parallel.read_spread(real_run, lambda c, i: threading.get_ident(), range(20)))) == 1  # too few: one
+    conns = [s[2] for s in seen]  # kept alive here, so each its own object: three, each on a contiguous slice
+    assert len({id(c) for c in conns}) == 3
+    assert [i for i in range(1, 100) if conns[i] is not conns[i - 1]] == [34, 68]
+    assert {s[1] for s in seen} != {threading.get_ident()}  # read off the caller's thread
+    assert set(parallel.read_spread(real_run, lambda c, i: threading.get_ident(), range(20))) == {threading.get_ident()}
     assert parallel.step_ranges(0, 9, 3) == [(0, 2), (3, 5), (6, 9)] and parallel.step_ranges(5, 5, 4) == [(5, 5)]
     bad = tmp_path / "notes.sqlite"
     bad.write_text("not a run\n" * 100)
     with pytest.raises(RunError) as err:
         parallel.read_spread(bad, lambda c, i: i, range(100))
     assert "notes.sqlite" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_zoom_into_a_gap_of_the_step_numbers_draws_nothing(tmp_path):
+    """Steps 0-99 and 10,000-10,099 in one file: a range between them has no bucket with a step
+    (every reader's part is empty), and reads as an empty overview, not an error."""
+    path = _synthetic(tmp_path / "gap.sqlite", 100)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.executemany(_INSERTS["steps"], [(s, s, 0.1, 1.0, 65536.0, 0, 1.0, 1e-3, 1, 0) for s in range(10_000, 10_100)])
+    conn.close()
+    ov = rundata.overview_data(path, 200, 9_000, buckets=100)
+    assert ov.bucket > 1 and ov.steps.empty and len(ov.skipped_steps) == 0
+    around = rundata.overview_data(path, 50, 10_049, buckets=100)  # both ends in view: their steps drawn
+    assert around.steps["step"].min() == 50 and around.steps["step"].max() == 10_049

@@ -237,6 +237,8 @@ def downsample_steps(conn: RunConnection, start: int, end: int, buckets: int = S
                                  "m": json.dumps(head[rows][marked[rows]][:, :2].tolist())})
 
     frames = read_spread(conn.path, chosen, [p for p in parts if len(p)], min_each=1)
+    if not frames:  # no step in the range (a zoom into a gap of the numbering)
+        frames = [frame_of(conn, f"SELECT {_STEP_COLS} FROM steps s LIMIT 0")]
     df = pd.concat(frames, ignore_index=True).drop_duplicates("step").sort_values("step", kind="stable")
     return _steps_frame(df.reset_index(drop=True)), width
 
