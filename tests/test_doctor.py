@@ -355,6 +355,19 @@ def test_divergence_when_the_loss_keeps_rising(runs):
     assert "rising" in f.title and "nonfinite-origin" not in ids(findings)
 
 
+@pytest.mark.parametrize("name", ["bad_targets", "ascent"])
+def test_a_long_runs_step_series_worked_out_together_say_the_same(runs, name, monkeypatch):
+    """Past TOGETHER_STEPS steps the loss's and the gradient norm's outliers and the rising-loss
+    window are worked out at once on two threads: the same findings as one by one."""
+    from ampwatch.doctor import signals
+    run, alone = runs(name)
+    monkeypatch.setattr(signals, "TOGETHER_STEPS", 0)
+    together = diagnose(run)
+    assert [f.to_dict() for f in together] == [f.to_dict() for f in alone]
+    assert {"loss-spike", "grad-norm-explosion"} <= ids(together) if name == "bad_targets" else \
+        "divergence" in ids(together)
+
+
 @pytest.mark.parametrize("name, expected", [
     ("bf16_scaler", "misuse-scaler-bf16"),
     ("fp16_no_scaler", "misuse-fp16-no-scaler"),

@@ -52,6 +52,9 @@ class Facts:
         self.warmup = warmup_of(self.steps, self.events, self.scaling, self.healthy_end)
         # (module, phase) a finding is about, set by the rules: how consequences find their cause
         self.claims: dict[str, tuple[str, str]] = {}
+        # answers a rule module works out once for several of its rules (signals.py: the step
+        # series' rolling medians)
+        self.memo: dict[str, Any] = {}
 
     @classmethod
     @contextmanager

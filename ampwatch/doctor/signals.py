@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -123,11 +124,46 @@ def _layers_that_grew(facts: Facts, step: int, limit: int = 3) -> str:
     return f"; at step {step:,} the gradient grew most in " + "; ".join(parts) + more
 
 
+# Past this many steps the rolling medians of the loss, of the gradient norm and of the rising-loss
+# window (each ~0.4-1 s on 1,000,000 steps, in pandas' C loop, which lets go of the GIL) are worked
+# out together on two threads the first time a rule asks.
+TOGETHER_STEPS = 50_000
+
+
+def _loss_points(facts: Facts) -> pd.DataFrame:
+    s = facts.steps[facts.steps["step"] <= facts.healthy_end]
+    return s[np.isfinite(s["loss"].astype(float))]
+
+
+def _grad_points(facts: Facts) -> pd.DataFrame:
+    s = facts.steps[(facts.steps["step"] <= facts.healthy_end) & ~facts.steps["skipped"]]
+    return s[np.isfinite(s["grad_norm"].astype(float))]
+
+
+def _series(facts: Facts, name: str) -> Any:
+    """One of the answers below, all worked out at once on a long run (``facts.memo``)."""
+    work: dict[str, Callable[[], Any]] = {
+        "loss outliers": lambda: outliers(*_columns(_loss_points(facts), "loss"), **LOSS_SPIKE),
+        "grad outliers": lambda: outliers(*_columns(_grad_points(facts), "grad_norm"), **GRAD_SPIKE),
+        "rising loss": lambda: _rising_loss(facts)}
+    if name not in facts.memo and len(facts.steps) > TOGETHER_STEPS:
+        # divergence reads a NaN tail where there is one, not the rising loss
+        skip = {"rising loss"} - {name} if facts.nan_tail_start is not None else set()
+        with ThreadPoolExecutor(2) as pool:
+            done = {key: pool.submit(fn) for key, fn in work.items() if key not in facts.memo and key not in skip}
+            facts.memo.update({key: future.result() for key, future in done.items()})
+    if name not in facts.memo:
+        facts.memo[name] = work[name]()
+    return facts.memo[name]
+
+
+def _columns(s: pd.DataFrame, column: str) -> tuple[pd.Series, pd.Series]:
+    return s["step"], s[column]
+
+
 def loss_spike(facts: Facts) -> list[Finding]:
     """Warning: loss values far above the median of the previous steps (median/MAD)."""
-    s = facts.steps[facts.steps["step"] <= facts.healthy_end]
-    s = s[np.isfinite(s["loss"].astype(float))]
-    hits = outliers(s["step"], s["loss"], **LOSS_SPIKE)
+    hits = _series(facts, "loss outliers")
     clip = clip_threshold(facts.info)
     advice = ("Look at the batches of these steps (corrupt or outlier samples, a data-loader bug); "
               "a lower learning rate or a longer warm-up helps"
@@ -140,9 +176,8 @@ def loss_spike(facts: Facts) -> list[Finding]:
 
 def grad_norm_explosion(facts: Facts) -> list[Finding]:
     """Warning: gradient norms (unscaled, before clipping) far above their recent median."""
-    s = facts.steps[(facts.steps["step"] <= facts.healthy_end) & ~facts.steps["skipped"]]
-    s = s[np.isfinite(s["grad_norm"].astype(float))]
-    hits = outliers(s["step"], s["grad_norm"], **GRAD_SPIKE)
+    s = _grad_points(facts)
+    hits = _series(facts, "grad outliers")
     median = float(s["grad_norm"].median()) if len(s) else float("nan")
     clip = clip_threshold(facts.info)
     how = "Clip gradients after unscaling: scaler.unscale_(optimizer); " if facts.scaling else \
@@ -199,7 +234,7 @@ def divergence(facts: Facts) -> list[Finding]:
             "divergence", "error", f"Training diverged at step {onset:,}: the loss is {kinds} to the end",
             onset, end, evidence, f"The run does not recover by itself: {restart}{fix}.",
             jump=facts.jump(onset, onset, pad=20))]
-    rising = _rising_loss(facts)
+    rising = _series(facts, "rising loss")
     if rising is None:
         return []
     onset, evidence = rising
