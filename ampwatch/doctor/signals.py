@@ -143,8 +143,8 @@ def _grad_points(facts: Facts) -> pd.DataFrame:
 def _series(facts: Facts, name: str) -> Any:
     """One of the answers below, all worked out at once on a long run (``facts.memo``)."""
     work: dict[str, Callable[[], Any]] = {
-        "loss outliers": lambda: outliers(*_columns(_loss_points(facts), "loss"), **LOSS_SPIKE),
-        "grad outliers": lambda: outliers(*_columns(_grad_points(facts), "grad_norm"), **GRAD_SPIKE),
+        "loss outliers": lambda: _outliers_of(_loss_points(facts), "loss", LOSS_SPIKE),
+        "grad outliers": lambda: _outliers_of(_grad_points(facts), "grad_norm", GRAD_SPIKE),
         "rising loss": lambda: _rising_loss(facts)}
     if name not in facts.memo and len(facts.steps) > TOGETHER_STEPS:
         # divergence reads a NaN tail where there is one, not the rising loss
@@ -157,8 +157,8 @@ def _series(facts: Facts, name: str) -> Any:
     return facts.memo[name]
 
 
-def _columns(s: pd.DataFrame, column: str) -> tuple[pd.Series, pd.Series]:
-    return s["step"], s[column]
+def _outliers_of(points: pd.DataFrame, column: str, thresholds: dict) -> list[tuple]:
+    return outliers(points["step"], points[column], **thresholds)
 
 
 def loss_spike(facts: Facts) -> list[Finding]:
