@@ -17,10 +17,17 @@ import ampwatch
 from ampwatch.dashboard import fp8, layerdata, ranks, rundata
 from ampwatch.dashboard.fp8 import FP8_METRICS  # noqa: F401 - for the FP8 page
 from ampwatch.dashboard.layerdata import LAYER_METRICS, grid_frame  # noqa: F401 - for the Layers page
+from ampwatch.doctor import health as doctor_health
+from ampwatch.doctor.finding import Finding
 from ampwatch.errors import RunError
 from ampwatch.store.reader import RUN_SUFFIXES
 
-AUTO_DOCTOR_STEPS = 1_000_000  # ~8 s of doctor at 1M steps on 2 cores (bench/doctor.py); bigger runs ask first
+import diagnoses
+
+AUTO_DOCTOR_STEPS = 1_000_000  # ~7 s of doctor at 1M steps on 2 cores (bench/doctor.py); bigger runs ask first
+# runs not yet diagnosed that hold fewer steps than this (all together: ~0.4 s of doctor) are read
+# before the runs table is drawn; past it the table comes first and their health fills in
+INLINE_DOCTOR_STEPS = 50_000
 
 
 def stamp(path: Path) -> tuple:
@@ -59,9 +66,19 @@ def guarded(fn: Callable, *args: Any, path: Optional[Path] = None, **kwargs: Any
     return None
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
-def runs_table(folder: str, key: tuple) -> tuple[pd.DataFrame, list]:
-    return rundata.runs_table(folder)
+def runs_table(folder: str) -> tuple[pd.DataFrame, list]:
+    """The folder's runs table without health (:func:`runs_health`) and its unreadable files, each
+    row read once per version of its file: a live run growing beside them rereads only itself."""
+    rows, bad = [], []
+    for f, refused in rundata.run_files(folder):
+        if refused is not None:
+            bad.append((f.name, refused))
+            continue
+        try:
+            rows.append(run_row(str(f), stamp(f)))
+        except RunError as exc:
+            bad.append((f.name, str(exc)))
+    return rundata.runs_frame(rows), bad
 
 
 @st.cache_data(show_spinner="Reading steps...", max_entries=64)
@@ -137,7 +154,7 @@ def fp8_summary(path: str, key: tuple) -> pd.DataFrame:
     return fp8.fp8_summary(path)
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
+@st.cache_data(show_spinner=False, max_entries=256)
 def run_row(path: str, key: tuple) -> dict:
     return rundata.run_row(path)
 
@@ -152,10 +169,52 @@ def skip_rate(path: str, key: tuple) -> pd.DataFrame:
     return rundata.skip_rate(path)
 
 
-@st.cache_data(show_spinner="Running the doctor...", max_entries=64)
-def findings(path: str, key: tuple) -> list[dict]:
-    """The doctor's findings as dicts."""
+def _diagnose(path: str) -> list[dict]:
     return [f.to_dict() for f in ampwatch.diagnose(ampwatch.load(path))]
+
+
+def findings(path: str, key: tuple) -> list[dict]:
+    """The doctor's findings as dicts, once per version of the file (the Runs page may have worked
+    them out already, or be working on them: :mod:`diagnoses`)."""
+    done = diagnoses.finished(path, key)
+    if done is not None:
+        return done.result()
+    with st.spinner("Running the doctor..."):
+        return diagnoses.result(path, key, _diagnose)
+
+
+def health(found: list[dict]) -> str:
+    """The runs table's verdict from :func:`findings` (:func:`ampwatch.doctor.health`)."""
+    return doctor_health([Finding.from_dict(f) for f in found])
+
+
+def runs_health(folder: Path, files: list[str], start: bool = True) -> list[Optional[str]]:
+    """Each run's health: the doctor's verdict on the file as it is, else its latest verdict on an
+    earlier version (a live run's, a flush behind), else None. With ``start``, files without a
+    verdict on their current version are handed to the background doctor (:mod:`diagnoses`),
+    except while together they stay under INLINE_DOCTOR_STEPS: those are read now, so a folder of
+    short runs shows whole at once. A run the doctor cannot read says so in its health, as the
+    library's runs table does."""
+    out: list[Optional[str]] = []
+    budget = INLINE_DOCTOR_STEPS
+    for name in files:
+        path = folder / name
+        key = stamp(path)
+        try:
+            done = diagnoses.finished(str(path), key)
+            if done is None and start:
+                steps = run_row(str(path), key)["steps"]
+                if steps <= budget:
+                    budget -= steps
+                    diagnoses.result(str(path), key, _diagnose)
+                else:
+                    diagnoses.start(str(path), key, _diagnose)
+                done = diagnoses.finished(str(path), key)
+            done = done or diagnoses.latest(str(path))
+            out.append(None if done is None else health(done.result()))
+        except Exception as exc:  # one line, as rundata.run_health says it
+            out.append(f"unreadable: {exc}")
+    return out
 
 
 def doctor_findings(path: Path, key: tuple) -> list[dict]:

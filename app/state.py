@@ -145,12 +145,13 @@ def page_run() -> tuple[Path, tuple, dict]:
 
 
 def page_runs() -> tuple[Path, pd.DataFrame, list]:
-    """The runs folder, its runs table and its unreadable files; stops the page (after a message) without."""
+    """The runs folder, its runs table (without health: ``loaders.runs_health``) and its unreadable
+    files; stops the page (after a message) without."""
     folder = st.session_state.get("_folder")
     if folder is None or not has_run_files(folder):  # the same message every page gives
         require_run()
         st.stop()
-    table = loaders.guarded(loaders.runs_table, str(folder), loaders.folder_stamp(folder))
+    table = loaders.guarded(loaders.runs_table, str(folder))
     if table is None:
         st.stop()
     runs, unreadable = table

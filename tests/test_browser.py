@@ -198,3 +198,27 @@ def test_live_sidebar_steps_follow_a_growing_run(server, browser, tmp_path):
     _wait(browser, slider, text="99", timeout=30)  # and the sidebar catches up
     assert browser.find_element(By.CSS_SELECTOR, slider).text.split()[-2:] == ["0", "99"]
     _no_errors(browser)
+
+
+def test_runs_health_fills_in_by_itself(server, browser, tmp_path):
+    """A long run's health is read in the background: the Runs page draws its table first, says the
+    doctor is reading, and redraws itself when it is done (a timer of the page's own, which AppTest
+    does not run)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from test_app import _make_run
+    _make_run(tmp_path / "long.sqlite", [1.0 - 1e-6 * i for i in range(80_000)])  # past INLINE_DOCTOR_STEPS
+    browser.get(server)  # the Runs page is the app's main page
+    _wait(browser, '[data-testid="stDataFrame"]')  # the sample runs' table: the page is drawn
+    box = _wait(browser, '[data-testid="stSidebar"] input[aria-label="Runs folder"]')
+    box.send_keys(Keys.CONTROL, "a", Keys.DELETE)
+    box.send_keys(str(tmp_path), Keys.ENTER)
+    main = '[data-testid="stMain"]'
+    _wait(browser, main, text="The doctor is reading 1 run in the background (long.sqlite)")
+    assert browser.find_elements(By.CSS_SELECTOR, '[data-testid="stDataFrame"]')  # the table is there already
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "The doctor is reading" in browser.find_element(By.CSS_SELECTOR, main).text:
+        time.sleep(0.3)
+    text = browser.find_element(By.CSS_SELECTOR, main).text
+    assert "The doctor is reading" not in text and "Select rows to open a run" in text
+    _no_errors(browser)

@@ -96,24 +96,38 @@ def run_health(path: Any) -> str:
         return f"unreadable: {exc}"
 
 
-def runs_table(folder: Any) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
-    """Every run in ``folder`` and every unreadable file with its reason (RunError for a bad folder)."""
-    rows, bad = [], []
+def run_files(folder: Any) -> list[tuple[Path, Optional[str]]]:
+    """The run files in ``folder``, each with None, or with why it is not opened (a symlink out of
+    the folder: only the folder's own files are read). RunError for a folder that cannot be listed."""
     root = Path(folder).resolve()
-    for f in find_runs(folder):
-        if f.resolve().parent != root:  # a symlink out of the folder: only the folder's own files are opened
-            bad.append((f.name, f"{f.name!r} links outside {str(folder)!r}: not opened"))
+    return [(f, None) if f.resolve().parent == root
+            else (f, f"{f.name!r} links outside {str(folder)!r}: not opened") for f in find_runs(folder)]
+
+
+def runs_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The runs table from :func:`run_row`'s rows."""
+    df = pd.DataFrame(rows)
+    if rows:  # object dtype keeps None (no loss logged) apart from NaN (the loss was NaN)
+        df["last_loss"] = pd.Series([r["last_loss"] for r in rows], dtype=object)
+    return df
+
+
+def runs_table(folder: Any, health: bool = True) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
+    """Every run in ``folder`` (with the doctor's verdict on each, ``health``) and every unreadable
+    file with its reason (RunError for a bad folder)."""
+    rows, bad = [], []
+    for f, refused in run_files(folder):
+        if refused is not None:
+            bad.append((f.name, refused))
             continue
         try:
             rows.append(run_row(f))
         except RunError as exc:
             bad.append((f.name, str(exc)))
             continue
-        rows[-1]["health"] = run_health(f)
-    df = pd.DataFrame(rows)
-    if rows:  # object dtype keeps None (no loss logged) apart from NaN (the loss was NaN)
-        df["last_loss"] = pd.Series([r["last_loss"] for r in rows], dtype=object)
-    return df, bad
+        if health:
+            rows[-1]["health"] = run_health(f)
+    return runs_frame(rows), bad
 
 
 # -- steps: overview and compare --------------------------------------------------------------------

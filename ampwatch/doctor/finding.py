@@ -43,6 +43,11 @@ class Finding:
         d["steps"], d["jump"] = list(self.steps), list(self.jump)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Finding":
+        """The finding :meth:`to_dict` (or ``ampwatch doctor --json``) wrote."""
+        return cls(**{**d, "steps": tuple(d["steps"]), "jump": tuple(d["jump"])})
+
 
 def severity_rank(severity: str) -> int:
     return SEVERITIES.index(severity)

@@ -2,6 +2,7 @@
 import streamlit as st
 
 import formatting
+import loaders
 import state
 
 st.title("Runs")
@@ -12,6 +13,22 @@ for name, reason in unreadable:
 if runs.empty:
     st.info("No readable runs here. Record one with `ampwatch.attach(...)` or run `ampwatch demo`.")
     st.stop()
+
+# the doctor's verdicts: those not yet known are worked out in the background, the table drawn meanwhile
+verdicts = loaders.runs_health(folder, runs["file"].tolist())
+runs = runs.assign(health=[v if v is not None else "diagnosing..." for v in verdicts])
+waiting = [f for f, v in zip(runs["file"], verdicts) if v is None]
+
+
+@st.fragment(run_every=1.0 if waiting else None)
+def _await_health() -> None:
+    """While the doctor reads runs in the background: say which, and redraw the page when one is done."""
+    left = [f for f, v in zip(waiting, loaders.runs_health(folder, waiting, start=False)) if v is None]
+    if len(left) < len(waiting):
+        st.rerun()  # the whole page: the table with the verdicts that came
+    st.caption(f"The doctor is reading {len(left)} run{'s' if len(left) != 1 else ''} in the background "
+               f"({', '.join(left)}): the health column fills in as it finishes; the table works meanwhile.")
+
 
 query = st.text_input("Filter by name", key=state.kept("runs_filter", ""), placeholder="e.g. fp16")
 shown = runs[runs["name"].str.contains(query, case=False, regex=False)] if query else runs
@@ -28,6 +45,8 @@ def _pick() -> None:
         st.session_state["compare"] = files
 
 
+if waiting:
+    _await_health()
 formatting.table(formatting.runs_for_display(shown[columns]), key="runs_table",
                  on_select=_pick, selection_mode="multi-row", hide_index=True,
                  column_config=formatting.RUN_COLUMNS)
