@@ -190,10 +190,11 @@ def health(found: list[dict]) -> str:
 
 def runs_health(folder: Path, files: list[str], start: bool = True) -> list[Optional[str]]:
     """Each run's health: the doctor's verdict on the file as it is, else its latest verdict on an
-    earlier version (a live run's, a flush behind), else None. With ``start``, files without a
-    verdict on their current version are handed to the background doctor (:mod:`diagnoses`),
-    except while together they stay under INLINE_DOCTOR_STEPS: those are read now, so a folder of
-    short runs shows whole at once. A run the doctor cannot read says so in its health, as the
+    earlier version (a live run's, a flush behind), else None while the doctor has yet to read it.
+    With ``start``, files without a verdict on their current version are handed to the background
+    doctor (:mod:`diagnoses`), except while together they stay under INLINE_DOCTOR_STEPS: those are
+    read now, so a folder of short runs shows whole at once. A run past AUTO_DOCTOR_STEPS is read
+    only on request, as on its overview. A run the doctor cannot read says so in its health, as the
     library's runs table does."""
     out: list[Optional[str]] = []
     budget = INLINE_DOCTOR_STEPS
@@ -201,16 +202,20 @@ def runs_health(folder: Path, files: list[str], start: bool = True) -> list[Opti
         path = folder / name
         key = stamp(path)
         try:
-            done = diagnoses.finished(str(path), key)
-            if done is None and start:
+            done = diagnoses.finished(str(path), key) or diagnoses.latest(str(path))
+            fresh = done is not None and diagnoses.finished(str(path), key) is done
+            if not fresh:
                 steps = run_row(str(path), key)["steps"]
-                if steps <= budget:
+                if steps > AUTO_DOCTOR_STEPS:
+                    if done is None:
+                        out.append(f"not diagnosed: {steps:,} steps (its overview runs the doctor on request)")
+                        continue
+                elif start and steps <= budget:
                     budget -= steps
                     diagnoses.result(str(path), key, _diagnose)
-                else:
+                    done = diagnoses.finished(str(path), key)
+                elif start:
                     diagnoses.start(str(path), key, _diagnose)
-                done = diagnoses.finished(str(path), key)
-            done = done or diagnoses.latest(str(path))
             out.append(None if done is None else health(done.result()))
         except Exception as exc:  # one line, as rundata.run_health says it
             out.append(f"unreadable: {exc}")

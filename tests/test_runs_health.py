@@ -160,3 +160,30 @@ def test_a_run_the_doctor_cannot_read_says_so_in_its_health(tmp_path, monkeypatc
     first = loaders.runs_health(path.parent, ["broken.sqlite"])
     again = loaders.runs_health(path.parent, ["broken.sqlite"])
     assert first == again == [f"unreadable: {path}: cannot be read"] and len(calls) == 1
+
+
+def test_a_run_past_the_overviews_limit_is_read_only_on_request(tmp_path, monkeypatch, app_modules):
+    """As its overview asks before running the doctor past AUTO_DOCTOR_STEPS, the Runs page does not
+    spend that time by itself; once the overview has run it on request, the table shows the verdict."""
+    loaders, diagnoses = app_modules
+    monkeypatch.setattr(loaders, "AUTO_DOCTOR_STEPS", 100)  # diverged.sqlite: 250 steps
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(SAMPLES / "diverged.sqlite", folder / "diverged.sqlite")
+    at = open_page(folder)
+    assert not at.exception, [e.value for e in at.exception]
+    shown = at.dataframe(key="runs_table").value
+    assert shown["health"].tolist() == ["not diagnosed: 250 steps (its overview runs the doctor on request)"]
+    assert not [c for c in at.caption if c.value.startswith("The doctor is reading")]  # nothing to wait for
+    threading.Event().wait(1.0)
+    assert diagnoses.finished(str(folder / "diverged.sqlite"), loaders.stamp(folder / "diverged.sqlite")) is None
+
+    at.session_state["run"] = "diverged.sqlite"
+    at.switch_page("app_pages/overview.py")
+    at.run()
+    at.button(key="run_doctor").click().run()
+    want = health(ampwatch.diagnose(str(folder / "diverged.sqlite")))
+    assert want.startswith("error:") and want.split(": ", 1)[1] in " ".join(m.value for m in at.markdown)
+    at.switch_page("app_pages/runs.py")
+    at.run()
+    assert at.dataframe(key="runs_table").value["health"].tolist() == [want]
