@@ -140,6 +140,28 @@ def test_compiled_run_localizes_like_eager(tmp_path, kind, monkeypatch):
     _same_record(eager, comp)
 
 
+@pytest.mark.parametrize("accelerator", [True, False], ids=["accelerator-path", "cpu-path"])
+@NEEDS_TRACED_HOOKS
+def test_the_fp32_recompute_of_a_compiled_forward_origin(tmp_path, monkeypatch, accelerator):
+    """On the accelerator path a compiled run's forward origin gets the fp32 recompute eager gives:
+    its inputs are fetched by running that micro-batch's forward again eagerly (replay.inputs_of).
+    On the CPU path under compile no module's inputs are kept, so none is done (docs/localization.md)."""
+    if accelerator:
+        monkeypatch.setenv("AMPWATCH_CPU_AS_ACCELERATOR", "1")
+    else:
+        monkeypatch.delenv("AMPWATCH_CPU_AS_ACCELERATOR", raising=False)
+    eager, _, _, _ = run(tmp_path, "eager", compiled=False, watched=True, fault_step=2, steps=5)
+    comp, _, _, _ = run(tmp_path, "comp", compiled=True, watched=True, fault_step=2, steps=5)
+    cols = ["step", "phase", "module"]
+    want, got = eager.events[eager.events.origin], comp.events[comp.events.origin]
+    assert want[cols].reset_index(drop=True).equals(got[cols].reset_index(drop=True)) and len(want) == 3
+    assert all(v > 65504 for v in want["fp32_amax"])  # fc2's output is beyond fp16's range, finite in fp32
+    if accelerator:
+        assert got["fp32_amax"].tolist() == pytest.approx(want["fp32_amax"].tolist(), rel=1e-4)
+    else:
+        assert all(v is None for v in got["fp32_amax"])
+
+
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 @NEEDS_TRACED_HOOKS
 def test_a_compiled_model_with_a_fused_optimizer_localizes_skips_read_a_step_late_like_eager(tmp_path, kind,

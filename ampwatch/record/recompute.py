@@ -36,8 +36,9 @@ How it stays out of training's way:
   called, not the module: its own hooks already ran on the kept inputs (its children's hooks, other
   code's included, do run).
 * An input modified in place after the call (its version counter moved) makes the recompute
-  meaningless: then none is done (None). Under ``torch.compile`` module hooks do not run inside the
-  compiled graph, so there are no kept inputs and no origin: None.
+  meaningless: then none is done (None). Under ``torch.compile`` the hooks traced into the graph
+  keep no inputs: on the accelerator path they are fetched as for a step observed live (the forward
+  run again, eagerly), so the origin gets its recompute; on the CPU path nothing runs again: None.
 """
 from __future__ import annotations
 
