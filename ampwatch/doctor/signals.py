@@ -136,8 +136,12 @@ def _loss_points(facts: Facts) -> pd.DataFrame:
 
 
 def _grad_points(facts: Facts) -> pd.DataFrame:
-    s = facts.steps[(facts.steps["step"] <= facts.healthy_end) & ~facts.steps["skipped"]]
-    return s[np.isfinite(s["grad_norm"].astype(float))]
+    """The steps whose gradient norm the outlier test reads: healthy, applied, finite (kept: the
+    explosion rule reads them again for its median)."""
+    if "grad points" not in facts.memo:
+        s = facts.steps[(facts.steps["step"] <= facts.healthy_end) & ~facts.steps["skipped"]]
+        facts.memo["grad points"] = s[np.isfinite(s["grad_norm"].astype(float))]
+    return facts.memo["grad points"]
 
 
 def _series(facts: Facts, name: str) -> Any:
