@@ -7,6 +7,7 @@ The app reads the library through this module only (pages import ``ampwatch.dash
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,8 +27,10 @@ import diagnoses
 
 AUTO_DOCTOR_STEPS = 1_000_000  # ~7 s of doctor at 1M steps on 2 cores (bench/doctor.py); bigger runs ask first
 # runs not yet diagnosed that hold fewer steps than this (all together: ~0.4 s of doctor) are read
-# before the runs table is drawn; past it the table comes first and their health fills in
+# before the runs table is drawn, for up to INLINE_DOCTOR_S (a folder of many short runs: ~0.15 s of
+# doctor each); past either the table comes first and their health fills in
 INLINE_DOCTOR_STEPS = 50_000
+INLINE_DOCTOR_S = 2.0
 
 
 def stamp(path: Path) -> tuple:
@@ -192,12 +195,12 @@ def runs_health(folder: Path, files: list[str], start: bool = True) -> list[Opti
     """Each run's health: the doctor's verdict on the file as it is, else its latest verdict on an
     earlier version (a live run's, a flush behind), else None while the doctor has yet to read it.
     With ``start``, files without a verdict on their current version are handed to the background
-    doctor (:mod:`diagnoses`), except while together they stay under INLINE_DOCTOR_STEPS: those are
-    read now, so a folder of short runs shows whole at once. A run past AUTO_DOCTOR_STEPS is read
-    only on request, as on its overview. A run the doctor cannot read says so in its health, as the
-    library's runs table does."""
+    doctor (:mod:`diagnoses`), except while together they stay under INLINE_DOCTOR_STEPS and
+    INLINE_DOCTOR_S: those are read now, so a folder of a few short runs shows whole at once. A run
+    past AUTO_DOCTOR_STEPS is read only on request, as on its overview. A run the doctor cannot
+    read says so in its health, as the library's runs table does."""
     out: list[Optional[str]] = []
-    budget = INLINE_DOCTOR_STEPS
+    budget, until = INLINE_DOCTOR_STEPS, time.monotonic() + INLINE_DOCTOR_S
     for name in files:
         path = folder / name
         key = stamp(path)
@@ -210,7 +213,7 @@ def runs_health(folder: Path, files: list[str], start: bool = True) -> list[Opti
                     if done is None:
                         out.append(f"not diagnosed: {steps:,} steps (its overview runs the doctor on request)")
                         continue
-                elif start and steps <= budget:
+                elif start and steps <= budget and time.monotonic() < until:
                     budget -= steps
                     diagnoses.result(str(path), key, _diagnose)
                     done = diagnoses.finished(str(path), key)

@@ -187,3 +187,27 @@ def test_a_run_past_the_overviews_limit_is_read_only_on_request(tmp_path, monkey
     at.switch_page("app_pages/runs.py")
     at.run()
     assert at.dataframe(key="runs_table").value["health"].tolist() == [want]
+
+
+def test_many_short_runs_are_read_before_the_table_only_for_a_while(tmp_path, monkeypatch, app_modules):
+    """A folder of many short runs: each costs the doctor's fixed time, so past INLINE_DOCTOR_S the
+    rest go to the background however few steps they hold."""
+    loaders, diagnoses = app_modules
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    names = [f"r{i}.sqlite" for i in range(3)]
+    for name in names:
+        shutil.copy(SAMPLES / "healthy_fp16.sqlite", folder / name)
+    monkeypatch.setattr(loaders, "INLINE_DOCTOR_S", 0.0)
+    release = _occupy(diagnoses, tmp_path)
+    try:
+        assert loaders.runs_health(folder, names) == [None, None, None]  # queued, not read now
+    finally:
+        release.set()
+    monkeypatch.setattr(loaders, "INLINE_DOCTOR_S", 600.0)
+    (folder / "r3.sqlite").write_bytes((SAMPLES / "healthy_fp16.sqlite").read_bytes())
+    release = _occupy(diagnoses, tmp_path)
+    try:
+        assert loaders.runs_health(folder, ["r3.sqlite"]) == ["ok"]  # within both budgets: read now
+    finally:
+        release.set()
