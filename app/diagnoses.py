@@ -13,9 +13,10 @@ the doctor runs here: no Streamlit call, so the thread needs no script context.
 """
 from __future__ import annotations
 
+import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 KEEP = 256  # finished verdicts kept (findings are small: a few dicts a run)
@@ -23,14 +24,25 @@ KEEP = 256  # finished verdicts kept (findings are small: a few dicts a run)
 _lock = threading.Lock()
 _jobs: "OrderedDict[tuple[str, tuple], Future]" = OrderedDict()
 _latest: dict[str, Future] = {}  # per file: the job that finished last, whatever version it read
-_pool: Optional[ThreadPoolExecutor] = None
+_queue: "queue.SimpleQueue[tuple[Future, str, Callable[[str], list]]]" = queue.SimpleQueue()
+_worker: Optional[threading.Thread] = None
 
 
-def _background() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:  # one thread: the doctor spreads its own long scans over the cores
-        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ampwatch-doctor")
-    return _pool
+def _serve() -> None:
+    while True:
+        _run(*_queue.get())
+
+
+def _submit(future: Future, path: str, work: Callable[[str], list]) -> None:
+    """Queue a job for the one background thread. A daemon: stopping the server does not wait for
+    a long run's diagnosis (a thread pool's worker would be joined at exit). One thread, as the
+    doctor spreads its own long scans over the cores."""
+    global _worker
+    _queue.put((future, path, work))
+    with _lock:
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_serve, name="ampwatch-doctor", daemon=True)
+            _worker.start()
 
 
 def _run(future: Future, path: str, work: Callable[[str], list]) -> None:
@@ -66,7 +78,7 @@ def start(path: str, key: tuple, work: Callable[[str], list]) -> Future:
             del _jobs[old]  # an older version of the file still queued: superseded
         future = _jobs[job] = Future()
         _trim()
-    _background().submit(_run, future, path, work)
+    _submit(future, path, work)
     return future
 
 
