@@ -22,6 +22,7 @@ from ampwatch.dashboard import rundata
 from ampwatch.dashboard import layerdata
 from ampwatch.cli.main import cli
 from ampwatch.errors import RunError
+from ampwatch.doctor.diff import diff_runs
 from ampwatch.doctor.summary import summarize
 from helpers.loops import amp_step, data, mlp
 
@@ -93,8 +94,10 @@ def _readers(path: Path, k: int) -> dict[str, Callable[[], Any]]:
         "step_detail": lambda: rundata.step_detail(path, 24), "heatmap": lambda: layerdata.layer_heatmap(path),
         "zero_grads": lambda: layerdata.zero_grad_fraction(path),
     }
+    good = ROOT / "sample_runs" / "healthy_fp16.sqlite"  # beside a sound run, the damaged one is named
     costly = {"summarize": lambda: summarize(ampwatch.load(path)), "diagnose": lambda: ampwatch.diagnose(str(path)),
-              "headroom": lambda: layerdata.module_headroom(path)}
+              "headroom": lambda: layerdata.module_headroom(path), "diff": lambda: diff_runs(path, good),
+              "diff_b": lambda: diff_runs(good, path)}
     name = sorted(costly)[k % len(costly)]
     readers[name] = costly[name]
     return readers
@@ -110,6 +113,8 @@ def _cli_command(path: Path, out: Path, k: int) -> list[str]:
 def _loaders_module():
     from streamlit import logger
     logger.set_log_level("error")  # its cache outside an app logs "missing ScriptRunContext" on every call
+    if str(ROOT / "app") not in sys.path:  # as Streamlit runs the app: its modules are top-level (diagnoses)
+        sys.path.insert(0, str(ROOT / "app"))
     spec = importlib.util.spec_from_file_location("app_loaders_fuzz", ROOT / "app" / "loaders.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

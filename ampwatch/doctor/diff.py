@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
 
-from ..store.reader import Run
+from ..store.reader import Run, paired
+from ..store.schema import MODULE_PHASES
+from .diff_detail import Compared
 
 # Run-row fields whose difference can explain why two runs' numbers differ (times, pid, status and
 # the run's name cannot).
@@ -127,7 +130,8 @@ def diff_runs(a: Any, b: Any, rtol: Optional[float] = None) -> RunDiff:
     :param rtol: relative tolerance for float figures (loss, grad norms, parameter norms, module
         maxima); default: :func:`default_rtol`. ``skipped`` and the loss scale compare exactly.
 
-    Reads the steps, layers, modules and tensors tables of both runs once (pandas frames).
+    Reads the steps and tensors tables of both runs into pandas; the layers and modules tables
+    are matched and reduced in SQLite (:mod:`ampwatch.doctor.diff_detail`).
     """
     run_a, run_b = _run(a), _run(b)
     if rtol is not None:
@@ -135,16 +139,28 @@ def diff_runs(a: Any, b: Any, rtol: Optional[float] = None) -> RunDiff:
     else:
         tol, dtype = default_rtol(run_a, run_b)
         source = dtype or "float32"
-    sa, sb = run_a.steps, run_b.steps
-    only_a, only_b = sorted(set(sa["step"]) - set(sb["step"])), sorted(set(sb["step"]) - set(sa["step"]))
-    d = RunDiff(names=(run_a.name, run_b.name), paths=(str(run_a.path), str(run_b.path)), rtol=tol, rtol_source=source,
-                settings=run_settings(run_a.info, run_b.info),
-                steps_shared=len(set(sa["step"]) & set(sb["step"])), steps_only=(_span(only_a), _span(only_b)),
-                detail_steps={}, names_only={}, not_compared=[])
-    both_scaled = bool(run_a.info.get("scaler_enabled")) and bool(run_b.info.get("scaler_enabled"))
-    _compare_steps(d, sa, sb, both_scaled)
-    _compare_layers(d, run_a, run_b, sa, sb)
-    _compare_modules(d, run_a, run_b, sa, sb)
+    # the detail tables, each matched and reduced in SQLite on a connection and thread of its own
+    # (SQLite lets go of the GIL while it steps), while this thread reads and compares the steps
+    run_a.tensors, run_b.tensors  # read once, before the threads share the runs' caches
+    with ThreadPoolExecutor(2) as pool:
+        details = {table: pool.submit(_compare_detail, table, run_a.path, run_b.path, run_a, run_b, tol)
+                   for table in ("layers", "modules")}
+        sa, sb = run_a.steps, run_b.steps
+        only_a, only_b = sorted(set(sa["step"]) - set(sb["step"])), sorted(set(sb["step"]) - set(sa["step"]))
+        d = RunDiff(names=(run_a.name, run_b.name), paths=(str(run_a.path), str(run_b.path)), rtol=tol,
+                    rtol_source=source, settings=run_settings(run_a.info, run_b.info),
+                    steps_shared=len(set(sa["step"]) & set(sb["step"])), steps_only=(_span(only_a), _span(only_b)),
+                    detail_steps={}, names_only={}, not_compared=[])
+        both_scaled = bool(run_a.info.get("scaler_enabled")) and bool(run_b.info.get("scaler_enabled"))
+        _compare_steps(d, sa, sb, both_scaled)
+        for table, job in details.items():
+            got = job.result()
+            d.names_only[table], d.detail_steps[table] = got.names_only, got.steps
+            d.largest += got.largest
+            if table == "layers":
+                d.first_layer = got.first
+            else:
+                d.first_module = got.first
     return d
 
 
@@ -212,7 +228,7 @@ def _compare_steps(d: RunDiff, sa: pd.DataFrame, sb: pd.DataFrame, both_scaled: 
             continue
         rels[fig] = rel_diff(m[f"{fig}_a"], m[f"{fig}_b"])
         parts[fig] = parting(m, rels[fig], d.rtol)
-        _keep_largest(d, m, rels[fig], "steps", fig)
+        _keep_largest_step(d, m, rels[fig], fig)
     if both_scaled:  # exact: a scale is a power of two moved by the scaler's own rule
         rels["loss_scale"] = rel_diff(m["loss_scale_a"], m["loss_scale_b"])
         parts["loss_scale"] = rels["loss_scale"] > 0
@@ -228,105 +244,94 @@ def _compare_steps(d: RunDiff, sa: pd.DataFrame, sb: pd.DataFrame, both_scaled: 
                                     None if fig == "skipped" else float(rels[fig][i])))
 
 
-def _compare_layers(d: RunDiff, run_a: Run, run_b: Run, sa: pd.DataFrame, sb: pd.DataFrame) -> None:
-    la, lb = run_a.layers, run_b.layers
-    _names_only(d, "layers", set(la["name"]), set(lb["name"]))
-    m = la.merge(lb, on=["step", "name"], suffixes=("_a", "_b"))
-    d.detail_steps["layers"] = int(m["step"].nunique())
-    if m.empty:
-        return
-    m["order"] = m["name"].map(_order(run_a, "param"))
-    # A layer's gradient is measured against the step's whole gradient norm: a layer whose own
-    # gradient nearly cancels (a bias) moves by many of its own units from rounding alone.
-    whole = np.fmax(m["step"].map(sa.set_index("step")["grad_norm"]).abs(),
-                    m["step"].map(sb.set_index("step")["grad_norm"]).abs()).where(lambda g: np.isfinite(g))
-    rels = {"param_norm": rel_diff(m["param_norm_a"], m["param_norm_b"]),
-            "grad_norm": rel_diff(m["grad_norm_a"], m["grad_norm_b"], floor=whole)}
-    for f, rel in rels.items():
-        _keep_largest(d, m, rel, "layers", f, where="name")
-    parts = {f: parting(m, rel, d.rtol, ("name",)) for f, rel in rels.items()}
-    hit = parts["param_norm"] | parts["grad_norm"]
-    if not hit.any():
-        return
-    step = int(m.loc[hit, "step"].min())
-    at = (m["step"] == step).to_numpy()
+@dataclass
+class _Detail:
+    """What one detail table of the pair says (its part of a RunDiff)."""
+    names_only: tuple[int, int] = (0, 0)
+    steps: int = 0
+    largest: list[Gap] = field(default_factory=list)
+    first: Optional[Gap] = None
+
+
+def _compare_detail(table: str, path_a: Any, path_b: Any, run_a: Run, run_b: Run, rtol: float) -> _Detail:
+    """Layers or modules, on a connection of their own (the two run on two threads)."""
+    kind = "param" if table == "layers" else "module"
+    names_a, names_b = _names(run_a, kind), _names(run_b, kind)
+    out = _Detail()
+    with paired(path_a, path_b) as conn:  # matched and reduced in SQLite
+        c = Compared(conn, table, _pairs(names_a, names_b), rtol)
+        in_a = {names_a[i] for i in c.ids_in("main") if i in names_a}
+        in_b = {names_b[i] for i in c.ids_in("b") if i in names_b}
+        out.names_only = (len(in_a - in_b), len(in_b - in_a))
+        out.steps, largest = c.largest()
+        if not out.steps:
+            return out
+        out.largest = [Gap(table, fig, row.step, *row.values[fig], where=names_a[row.id],
+                           phase=None if phase is None else MODULE_PHASES[phase])
+                       for (fig, phase), row in largest.items()]
+        # no row beyond the tolerance (the largest difference within it): nothing parts, no scan
+        beyond = any(row.values[fig][2] > rtol for (fig, _), row in largest.items())
+        found = c.first_parting() if beyond else None
+    if found is not None:
+        out.first = (_first_layer if table == "layers" else _first_module)(*found, names_a)
+    return out
+
+
+def _first_layer(step: int, marked: list, names: dict[int, str]) -> Gap:
     # Parameter norms are taken before the step's update: one that differs is a weight the runs
     # entered the step with differently, the cause rather than a consequence. Otherwise the layer
     # where backward parted: gradients run from the loss back, so a difference entering at one
-    # layer reaches every layer before it, and the last parting layer in model order is first.
-    if (parts["param_norm"] & at).any():
-        fig, rows = "param_norm", m[parts["param_norm"] & at].sort_values("order")
+    # layer reaches every layer before it, and the last parting layer in model order is first
+    # (run a's ids follow named_parameters).
+    weights = [row for row, parts in marked if parts["param_norm"]]
+    if weights:
+        fig, row = "param_norm", min(weights, key=lambda r: r.id)
     else:
-        fig, rows = "grad_norm", m[parts["grad_norm"] & at].sort_values("order", ascending=False)
-    i = rows.index[0]
-    d.first_layer = Gap("layers", fig, step, _value(m.at[i, f"{fig}_a"]), _value(m.at[i, f"{fig}_b"]),
-                        float(rels[fig][m.index.get_loc(i)]), where=str(m.at[i, "name"]),
-                        others=int((hit & at).sum()) - 1)
+        fig, row = "grad_norm", max((r for r, parts in marked if parts["grad_norm"]), key=lambda r: r.id)
+    return Gap("layers", fig, step, *row.values[fig], where=names[row.id],
+               others=sum(any(parts.values()) for _, parts in marked) - 1)
 
 
-def _compare_modules(d: RunDiff, run_a: Run, run_b: Run, sa: pd.DataFrame, sb: pd.DataFrame) -> None:
-    ma, mb = _unscaled(run_a.modules, sa), _unscaled(run_b.modules, sb)
-    _names_only(d, "modules", set(ma["module"]), set(mb["module"]))
-    m = ma.merge(mb, on=["step", "module", "phase"], suffixes=("_a", "_b"))
-    d.detail_steps["modules"] = int(m["step"].nunique())
-    if m.empty:
-        return
-    m["order"] = m["module"].map(_order(run_a, "module"))
-    rel = rel_diff(m["amax_a"], m["amax_b"])
-    rel = np.where(m["nonfinite_a"].to_numpy() != m["nonfinite_b"].to_numpy(), math.inf, rel)
-    for phase in ("forward", "backward"):
-        _keep_largest(d, m, np.where(m["phase"] == phase, rel, 0.0), "modules", "amax", where="module")
-    hit = parting(m, rel, d.rtol, ("module", "phase"))
-    if not hit.any():
-        return
-    step = int(m.loc[hit, "step"].min())
-    at = hit & (m["step"] == step).to_numpy()
-    # Forward runs before backward. A container's maximum parts whenever a child's does, so the
-    # innermost parting modules are the candidates: in forward the first in model order, in
-    # backward (which runs the model in reverse) the last.
-    for phase, first in (("forward", True), ("backward", False)):
-        rows = m[at & (m["phase"] == phase).to_numpy()]
-        if rows.empty:
+def _first_module(step: int, marked: list, names: dict[int, str]) -> Optional[Gap]:
+    # Module maxima: backward ones divided by each run's loss scale of the step (recorded scaled,
+    # as they overflow), so runs with different scales, or none, compare (diff_detail.py). Forward
+    # runs before backward. A container's maximum parts whenever a child's does, so the innermost
+    # parting modules are the candidates: in forward the first in model order, in backward (which
+    # runs the model in reverse) the last.
+    at = [row for row, parts in marked if parts["amax"]]
+    for phase, first in ((0, True), (1, False)):
+        rows = [r for r in at if r.phase == phase]
+        if not rows:
             continue
-        names = set(rows["module"])
-        inner = rows[[not any(_inside(o, n) for o in names) for n in rows["module"]]]
-        i = inner.sort_values("order", ascending=first).index[0]
-        d.first_module = Gap("modules", "amax", step, _value(m.at[i, "amax_a"]), _value(m.at[i, "amax_b"]),
-                             float(rel[m.index.get_loc(i)]), where=str(m.at[i, "module"]), phase=phase,
-                             others=int(at.sum()) - 1)
-        return
+        inside = {names[r.id] for r in rows}
+        inner = [r for r in rows if not any(_inside(o, names[r.id]) for o in inside)]
+        row = min(inner, key=lambda r: r.id) if first else max(inner, key=lambda r: r.id)
+        return Gap("modules", "amax", step, *row.values["amax"], where=names[row.id], phase=MODULE_PHASES[phase],
+                   others=len(at) - 1)
+    return None
 
 
-def _unscaled(modules: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """Backward maxima are recorded multiplied by the loss scale (that is what overflows): divide by
-    the step's scale so runs with different scales, or none, compare."""
-    scale = modules["step"].map(steps.set_index("step")["loss_scale"]).fillna(1.0).to_numpy()
-    back = (modules["phase"] == "backward").to_numpy()
-    modules["amax"] = np.where(back, modules["amax"].to_numpy() / scale, modules["amax"].to_numpy())
-    return modules
-
-
-def _keep_largest(d: RunDiff, m: pd.DataFrame, rel: np.ndarray, table: str, fig: str, where: Optional[str] = None
-                  ) -> None:
-    """Remember the largest difference of a figure over the shared rows (none if all are equal)."""
+def _keep_largest_step(d: RunDiff, m: pd.DataFrame, rel: np.ndarray, fig: str) -> None:
+    """Remember the largest difference of a step figure over the shared steps (none if all are equal)."""
     if not len(rel) or not (rel > 0).any():
         return
     i = int(np.argmax(rel))
     row = m.iloc[i]
-    phase = str(row["phase"]) if table == "modules" else None
-    d.largest.append(Gap(table, fig, int(row["step"]), _value(row[f"{fig}_a"]), _value(row[f"{fig}_b"]),
-                         float(rel[i]), where=str(row[where]) if where else None, phase=phase))
+    d.largest.append(Gap("steps", fig, int(row["step"]), _value(row[f"{fig}_a"]), _value(row[f"{fig}_b"]),
+                         float(rel[i])))
 
 
-def _names_only(d: RunDiff, table: str, a: set, b: set) -> None:
-    d.names_only[table] = (len(a - b), len(b - a))
-
-
-def _order(run: Run, kind: str) -> dict[str, int]:
-    """Name -> position in the model (``tensors`` ids follow ``named_parameters`` / ``named_modules``)."""
+def _names(run: Run, kind: str) -> dict[int, str]:
+    """Run's ids -> names of one kind of tensor (param or module)."""
     t = run.tensors
     t = t[t["kind"] == kind]
-    return dict(zip(t["name"], t["id"].astype(int)))
+    return dict(zip(t["id"].astype(int), t["name"]))
+
+
+def _pairs(names_a: dict[int, str], names_b: dict[int, str]) -> list[tuple[int, int]]:
+    """(run a's id, run b's id) of each name both runs have."""
+    ids_b = {name: i for i, name in names_b.items()}
+    return [(i, ids_b[name]) for i, name in names_a.items() if name in ids_b]
 
 
 def _inside(child: str, parent: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import pandas as pd
 
-from .guard import guard, open_read_only, reads
+from .guard import damaged_tables, guard, open_read_only, read_error, read_only_uri, reads, truncation_error
 from ..errors import RunError
 from .schema import LAYER_NAN_BITS, SCHEMA_VERSION, STEP_NAN_BITS
 from ..userpath import path_text
@@ -52,6 +52,33 @@ def connect(path: Any) -> Iterator[sqlite3.Connection]:
     For a whole run (schema and run row checked too) use :func:`open_run`."""
     with _connected(check_run_file(path)) as conn:
         yield conn
+
+
+@contextmanager
+def paired(path_a: Any, path_b: Any) -> Iterator[sqlite3.Connection]:
+    """One read-only connection to two checked run files: ``path_a`` as ``main``, ``path_b``
+    ATTACHed read-only as ``b``. For comparisons over tables too long to read into pandas (a
+    1M-step run's 10M layer rows): SQLite matches and reduces the rows without the GIL. The
+    caller's own tables go in the connection's ``temp`` schema, never in either file. A failure
+    inside the block is one RunError line naming the file to blame (the damaged one of the two)."""
+    a, b = check_run_file(path_a), check_run_file(path_b)
+    try:
+        conn = open_read_only(a)
+        conn.execute("ATTACH DATABASE ? AS b", (read_only_uri(b),))
+    except sqlite3.Error as exc:
+        raise RunError(f"cannot open {str(a)!r} and {str(b)!r} read-only: {exc}") from None
+    try:
+        yield conn
+    except RunError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - which file is to blame, else re-raised
+        damaged = [p for p in (a, b) if not p.is_file() or truncation_error(p) is not None or damaged_tables(p)]
+        error = read_error(damaged[0] if damaged else a, exc)
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        conn.close()
 
 
 @contextmanager
