@@ -116,10 +116,3 @@ def result(path: str, key: tuple, work: Callable[[str], list]) -> list:
         _run(future, path, work)
     return future.result()
 
-
-def forget() -> None:
-    """Drop every finished job (tests; a queued or running one stays)."""
-    with _lock:
-        for job in [j for j, f in _jobs.items() if f.done()]:
-            del _jobs[job]
-        _latest.clear()
