@@ -232,6 +232,9 @@ def test_compare_says_where_two_runs_part():
     text = " ".join(w.value for w in at.warning)
     assert f"part at step **{truth.parting_step}**" in text
     assert all(field in text for field, _, _ in truth.settings[:6])
+    # worked out after the charts (two long runs take seconds), shown above them
+    order = [type(n).__name__ if type(n).__name__ == "Warning" else getattr(n, "type", "") for n in _walk(at.main)]
+    assert order.index("Warning") < order.index("plotly_chart"), order
 
 
 def _make_run(path: Path, losses: list, status: str = "finished", **info) -> Path:

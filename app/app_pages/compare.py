@@ -49,14 +49,9 @@ for name in picked:
     rows.append(ov.steps.assign(run=label))
 if not overviews:
     st.stop()
-if len(picked) == 2:
-    paths = [state.safe_run_path(folder, name) for name in picked]
-    if None not in paths:
-        found = loaders.guarded(loaders.run_diff, str(paths[0]), loaders.stamp(paths[0]),
-                                str(paths[1]), loaders.stamp(paths[1]), path=paths[0])
-        if found is not None:
-            kind, text = headlines.diff_headline(found)
-            getattr(st, kind)(text)
+# where two runs part goes first on the page but is worked out last: on two long runs it takes
+# seconds (39 s at 1M steps, docs/performance.md), and the charts need not wait for it
+diff_box = st.container()
 log_loss = st.toggle("log loss axis", key=state.kept("compare_log", True))
 st.plotly_chart(figures.compare_figure(overviews, rates, log_loss=log_loss), width="stretch",
                 key="compare_chart")
@@ -65,3 +60,12 @@ summary = runs[runs["file"].isin(picked)][["name", "status", "steps", "skipped",
 formatting.table(formatting.runs_for_display(summary), hide_index=True,
                  key="compare_table", column_config=formatting.RUN_COLUMNS)
 formatting.download(pd.concat(rows, ignore_index=True), "compare_steps.csv", "Download shown steps (CSV)")
+if len(picked) == 2:
+    paths = [state.safe_run_path(folder, name) for name in picked]
+    if None not in paths:
+        with diff_box:
+            found = loaders.guarded(loaders.run_diff, str(paths[0]), loaders.stamp(paths[0]),
+                                    str(paths[1]), loaders.stamp(paths[1]), path=paths[0])
+            if found is not None:
+                kind, text = headlines.diff_headline(found)
+                getattr(st, kind)(text)
