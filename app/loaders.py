@@ -180,7 +180,7 @@ def findings(path: str, key: tuple) -> list[dict]:
     """The doctor's findings as dicts, once per version of the file (the Runs page may have worked
     them out already, or be working on them: :mod:`diagnoses`)."""
     done = diagnoses.finished(path, key)
-    if done is not None:
+    if done is not None:  # known already: no spinner flashing on every redraw
         return done.result()
     with st.spinner("Running the doctor..."):
         return diagnoses.result(path, key, _diagnose)
@@ -205,9 +205,9 @@ def runs_health(folder: Path, files: list[str], start: bool = True) -> list[Opti
         path = folder / name
         key = stamp(path)
         try:
-            done = diagnoses.finished(str(path), key) or diagnoses.latest(str(path))
-            fresh = done is not None and diagnoses.finished(str(path), key) is done
-            if not fresh:
+            exact = diagnoses.finished(str(path), key)
+            done = exact or diagnoses.latest(str(path))
+            if exact is None:
                 steps = run_row(str(path), key)["steps"]
                 if steps > AUTO_DOCTOR_STEPS:
                     if done is None:

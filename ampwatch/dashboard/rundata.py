@@ -112,9 +112,10 @@ def runs_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return df
 
 
-def runs_table(folder: Any, health: bool = True) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
-    """Every run in ``folder`` (with the doctor's verdict on each, ``health``) and every unreadable
-    file with its reason (RunError for a bad folder)."""
+def runs_table(folder: Any) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
+    """Every run in ``folder`` with the doctor's verdict on each, and every unreadable file with
+    its reason (RunError for a bad folder). The app builds the same table from :func:`run_row`
+    per file and its verdicts in the background (app/loaders.py)."""
     rows, bad = [], []
     for f, refused in run_files(folder):
         if refused is not None:
@@ -125,8 +126,7 @@ def runs_table(folder: Any, health: bool = True) -> tuple[pd.DataFrame, list[tup
         except RunError as exc:
             bad.append((f.name, str(exc)))
             continue
-        if health:
-            rows[-1]["health"] = run_health(f)
+        rows[-1]["health"] = run_health(f)
     return runs_frame(rows), bad
 
 

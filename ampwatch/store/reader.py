@@ -64,10 +64,13 @@ def paired(path_a: Any, path_b: Any) -> Iterator[sqlite3.Connection]:
     a, b = check_run_file(path_a), check_run_file(path_b)
     try:
         conn = open_read_only(a)
-        conn.execute("ATTACH DATABASE ? AS b", (read_only_uri(b),))
     except sqlite3.Error as exc:
-        raise RunError(f"cannot open {str(a)!r} and {str(b)!r} read-only: {exc}") from None
+        raise RunError(f"cannot open {str(a)!r} read-only: {exc}") from None
     try:
+        try:
+            conn.execute("ATTACH DATABASE ? AS b", (read_only_uri(b),))
+        except sqlite3.Error as exc:
+            raise RunError(f"cannot open {str(b)!r} read-only: {exc}") from None
         yield conn
     except RunError:
         raise
